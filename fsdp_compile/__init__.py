@@ -1,0 +1,23 @@
+"""fsdp-compile: FSDP (ZeRO-3) built into ``torch.compile``.
+
+``torch.compile(fully_shard(model))`` gives one graph per step in which every
+all-gather and reduce-scatter is a functional collective that our FX passes
+can schedule. The API mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2).
+"""
+
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_compile._fsdp_param import FSDPParam
+from fsdp_compile._fully_shard import FSDPModule, fully_shard
+from fsdp_compile.passes.registration import install_passes
+
+install_passes()
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "FSDPParam",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+]

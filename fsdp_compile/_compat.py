@@ -1,0 +1,60 @@
+"""Every private torch API this project touches, in one place.
+
+A torch upgrade that moves one of these should need an edit here only.
+Each name is listed with the torch file it comes from (torch 2.13).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch._functorch.config as functorch_config
+
+# torch/_ops.py: the functional collective ops (traceable, return a tensor that
+# must be passed to wait_tensor before use).
+c10d_functional = torch.ops._c10d_functional
+
+# torch/fx/traceback.py: attach a dict to node.meta["custom"] of every FX node
+# traced inside the context; Dynamo supports it and AOTAutograd carries it into
+# the joint graph, which is how passes recognise the nodes our runtime emitted.
+from torch.fx.traceback import annotate as fx_annotate  # noqa: E402
+
+# torch/utils/checkpoint.py: partitioner policy tags in node.meta["recompute"].
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402  (public, listed for completeness)
+
+
+def get_joint_custom_pass() -> Callable | None:
+    """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
+    return functorch_config.joint_custom_pass
+
+
+def set_joint_custom_pass(fn: Callable | None) -> None:
+    functorch_config.joint_custom_pass = fn
+
+
+def is_backward_node(node: torch.fx.Node) -> bool:
+    """torch/_functorch/partitioners.py tags joint-graph backward nodes this way."""
+    return node.meta.get("partitioner_tag", None) == "is_backward"
+
+
+def group_name_of(group: torch.distributed.ProcessGroup) -> str:
+    """The name the functional collectives use to find a process group."""
+    return group.group_name
+
+
+def register_fake_process_group() -> None:
+    """torch/testing/_internal/distributed/fake_pg.py registers backend "fake"."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+__all__ = [
+    "c10d_functional",
+    "fx_annotate",
+    "CheckpointPolicy",
+    "get_joint_custom_pass",
+    "set_joint_custom_pass",
+    "is_backward_node",
+    "group_name_of",
+    "register_fake_process_group",
+]

@@ -1,0 +1,101 @@
+"""FSDPParam: one parameter's sharded storage and its traceable unshard.
+
+The sharded ``DTensor`` (``Shard(0)`` on a 1-D mesh, ``torch.chunk`` layout)
+*is* the ``nn.Parameter`` registered on the owning module, so
+``named_parameters()``, ``state_dict()``, optimizers, ``clip_grad_norm_`` and
+DCP see exactly what they see with FSDP2. Reading the attribute during a
+sharded forward returns the full tensor through
+:func:`fsdp_compile.runtime.collectives.all_gather_shard` instead.
+
+0-dim parameters cannot be split along dim 0; they are kept whole on every
+rank (a ``Replicate()`` DTensor) and their gradient is all-reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_compile._compat import group_name_of
+from fsdp_compile._fsdp_state import forward_context
+from fsdp_compile.runtime.collectives import (
+    ShardLayout,
+    collective_annotation,
+    all_gather_shard,
+    replicate_with_grad_sync,
+)
+
+
+class FSDPParam:
+    """Sharded storage and unshard recipe for one ``nn.Parameter``.
+
+    Attributes:
+        fqn: the parameter's name relative to the root of the ``fully_shard`` call.
+        sharded_param: the registered ``nn.Parameter`` wrapping a ``DTensor``.
+        layout: the dim-0 split (``None`` for a 0-dim parameter, which is replicated).
+        unit: the :class:`~fsdp_compile._fsdp_state.FSDPUnit` that owns it.
+    """
+
+    def __init__(self, param: nn.Parameter, fqn: str, mesh: DeviceMesh, unit) -> None:
+        self.fqn = fqn
+        self.unit = unit
+        self.mesh = mesh
+        self.group_name = group_name_of(mesh.get_group())
+        self.orig_dtype = param.dtype
+        world_size, rank = mesh.size(), mesh.get_local_rank()
+        data = param.detach()
+        if data.ndim == 0:
+            self.layout = None
+            local = data.clone()
+            placements = [Replicate()]
+        else:
+            self.layout = ShardLayout(tuple(data.shape), world_size, rank, self.group_name)
+            start = min(rank * self.layout.rows_per_rank, data.shape[0])
+            local = data.narrow(0, start, self.layout.local_rows).clone()
+            placements = [Shard(0)]
+        dtensor = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=data.shape, stride=_contiguous_stride(data.shape)
+        )
+        self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        # Carry over attributes users hang on parameters (e.g. ``_no_weight_decay``).
+        for key, value in vars(param).items():
+            if not key.startswith("_fsdp"):
+                setattr(self.sharded_param, key, value)
+        self._unsharded: torch.Tensor | None = None
+
+    def unshard(self, sharded_param: nn.Parameter) -> torch.Tensor:
+        """The full tensor for this forward; gathered once, then reused until the forward ends.
+
+        ``sharded_param`` is passed in (rather than read from ``self``) so that
+        Dynamo sees it come from the module's ``_parameters`` and lifts it as a
+        graph input with a stable source.
+        """
+        if self._unsharded is not None:
+            return self._unsharded
+        annotation = collective_annotation(
+            "unshard", self.fqn, self.unit.fqn, self.unit.resolved_reshard_after_forward()
+        )
+        local = sharded_param.to_local()
+        if self.layout is None:
+            full = replicate_with_grad_sync(local, self.group_name, annotation)
+        else:
+            full = all_gather_shard(local, self.layout, annotation)
+        self._unsharded = full
+        forward_context.gathered.append(self)
+        return full
+
+    def drop_unsharded(self) -> None:
+        self._unsharded = None
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqn!r}, shape={tuple(self.sharded_param.shape)}, unit={self.unit.fqn!r})"
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))

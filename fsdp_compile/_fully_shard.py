@@ -1,0 +1,342 @@
+"""``fully_shard``: FSDP2's API, with parameter access that ``torch.compile`` can trace.
+
+How a parameter read becomes an all-gather: every module that directly holds a
+managed parameter gets its class swapped to a subclass with one ``property``
+per managed name. Outside a sharded forward the property returns the
+registered sharded ``nn.Parameter(DTensor)``; inside one it returns
+``FSDPParam.unshard(...)``, the full tensor. The module passed to
+``fully_shard`` becomes ``FSDP<Orig>`` (subclassing :class:`FSDPModule`), whose
+``forward`` opens the forward context. There are no hooks and no
+``torch._dynamo.disable``: Dynamo traces all of this into the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_compile._fsdp_param import FSDPParam
+from fsdp_compile._fsdp_state import FSDPUnit, forward_context
+
+# Set on an original (unsharded) nn.Parameter once it is sharded, so that a
+# module still holding the original object (a tied weight in another unit)
+# finds the FSDPParam that replaced it.
+_SHARDED_AS = "_fsdp_compile_sharded_as"
+
+
+class FSDPModule:
+    """Mixin of every module passed to :func:`fully_shard` (class ``FSDP<Orig>``).
+
+    ``isinstance(m, FSDPModule)`` tells sharded units apart, as with FSDP2.
+    """
+
+    _fsdp_unit: FSDPUnit
+
+    def forward(self, *args, **kwargs):
+        forward_context.enter()
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            forward_context.exit()
+
+    # FSDP2's FSDPModule methods arrive with issue 4 (feature parity); until
+    # then each one says so instead of silently doing nothing.
+    def unshard(self, async_op: bool = False):
+        raise NotImplementedError("FSDPModule.unshard() is not supported yet (FSDP2 feature parity, issue 4)")
+
+    def reshard(self):
+        raise NotImplementedError("FSDPModule.reshard() is not supported yet (FSDP2 feature parity, issue 4)")
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        raise NotImplementedError(
+            "set_requires_gradient_sync is not supported yet (gradient accumulation, issue 4)"
+        )
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
+        raise NotImplementedError("set_reshard_after_forward is not supported yet (issue 4)")
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        raise NotImplementedError("set_reshard_after_backward is not supported yet (issue 4)")
+
+    def set_modules_to_forward_prefetch(self, modules):
+        raise NotImplementedError("set_modules_to_forward_prefetch is not supported yet (issue 4)")
+
+    def set_modules_to_backward_prefetch(self, modules):
+        raise NotImplementedError("set_modules_to_backward_prefetch is not supported yet (issue 4)")
+
+    def set_gradient_divide_factor(self, factor: float):
+        raise NotImplementedError("set_gradient_divide_factor is not supported yet (issue 4)")
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn=None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+):
+    """Shard ``module``'s parameters over ``mesh`` along dim 0, as FSDP2's ``fully_shard``.
+
+    Call it on each block, then on the root: each call makes one sharding unit
+    that owns the parameters in its subtree not owned by an earlier call.
+    The module's class becomes ``FSDP<Orig>``; it is returned for chaining.
+
+    Every check that can fail runs before the one collective this issues
+    (a cross-rank comparison of parameter names, shapes and dtypes), so bad
+    input fails on every rank alike instead of hanging some of them.
+
+    Args:
+        module: the module, or a list of modules forming one unit.
+        mesh: a 1-D ``DeviceMesh``; defaults to all ranks of the default
+            process group on the parameters' device type.
+        reshard_after_forward: ``True`` frees gathered parameters after
+            forward (re-gathered in backward); ``False`` keeps them; ``None``
+            means ``True`` except for the root unit.
+        ignored_params: parameters left unsharded and unmanaged.
+    """
+    modules = _as_module_list(module)
+    _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module"
+            )
+    if not dist.is_initialized() and mesh is None:
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call torch.distributed.init_process_group() "
+            "first (or pass mesh=)"
+        )
+    mesh = mesh if mesh is not None else _default_mesh(modules)
+    _validate_mesh(mesh, modules)
+
+    unit_fqn = _unit_name(modules)
+    unit = FSDPUnit(module=modules[0], fqn=unit_fqn, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    owned = _collect_owned_params(modules, ignored_params or set(), unit)
+    _check_same_params_on_all_ranks(owned, mesh, unit_fqn)
+
+    # -- nothing below may fail on one rank only --
+    by_original: dict[int, FSDPParam] = {}
+    for owner, name, param, fqn in owned:
+        fsdp_param = getattr(param, _SHARDED_AS, None)
+        if fsdp_param is None:
+            fsdp_param = by_original.get(id(param))
+        if fsdp_param is None:
+            fsdp_param = FSDPParam(param, fqn, mesh, unit)
+            by_original[id(param)] = fsdp_param
+            unit.params.append(fsdp_param)
+            setattr(param, _SHARDED_AS, fsdp_param)
+        _install_managed_param(owner, name, fsdp_param)
+
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, FSDPModule) and sub is not m:
+                sub._fsdp_unit.is_root = False
+        _swap_to_fsdp_class(m)
+        m._fsdp_unit = unit
+    return module
+
+
+# --------------------------------------------------------------------- checks
+
+
+def _as_module_list(module) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module (or a list of them), got {type(m).__name__}")
+    return modules
+
+
+def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller group (int) "
+            "is not supported yet (issue 4); use True, False or None"
+        )
+    if shard_placement_fn is not None:
+        raise NotImplementedError("shard_placement_fn is not supported yet: parameters are sharded on dim 0")
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError("mixed precision (mp_policy) is not supported yet (issue 4)")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("CPU offload (offload_policy=CPUOffloadPolicy) is not supported yet (issue 4)")
+
+
+def _default_mesh(modules: list[nn.Module]) -> DeviceMesh:
+    device_type = _params_device_type(modules) or "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _params_device_type(modules: list[nn.Module]) -> str | None:
+    for m in modules:
+        for p in m.parameters():
+            return p.device.type
+    return None
+
+
+def _validate_mesh(mesh: DeviceMesh, modules: list[nn.Module]) -> None:
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; only 1-D meshes are "
+            "supported yet (HSDP with a 2-D mesh is issue 4)"
+        )
+    device_type = _params_device_type(modules)
+    if device_type not in (None, "meta") and device_type != mesh.device_type:
+        raise ValueError(
+            f"fully_shard: the parameters are on {device_type!r} but the mesh is on "
+            f"{mesh.device_type!r}; move the model to the mesh's device type first"
+        )
+
+
+def _unit_name(modules: list[nn.Module]) -> str:
+    names = [type(m).__name__ for m in modules]
+    return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+
+
+def _collect_owned_params(
+    modules: list[nn.Module], ignored: set, unit: FSDPUnit
+) -> list[tuple[nn.Module, str, nn.Parameter, str]]:
+    """(owner, name, parameter, fqn) for every parameter this unit manages.
+
+    Skips subtrees already sharded by an earlier (nested) call; parameters
+    owned by those units but also held here (tied weights) are included with
+    their existing FSDPParam, which then serves both units.
+    """
+    owned = []
+    for root in modules:
+        stack = [("", root)]
+        while stack:
+            prefix, mod = stack.pop()
+            if mod is not root and isinstance(mod, FSDPModule):
+                continue  # a nested unit owns this subtree
+            for name, param in mod._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                fqn = prefix + name
+                existing = _existing_fsdp_param(mod, name, param)
+                if existing is not None:
+                    _check_shareable(existing, fqn, unit, modules)
+                owned.append((mod, name, param, fqn))
+            for child_name, child in reversed(list(mod._modules.items())):
+                if child is not None:
+                    stack.append((f"{prefix}{child_name}.", child))
+    return owned
+
+
+def _existing_fsdp_param(mod: nn.Module, name: str, param: nn.Parameter) -> FSDPParam | None:
+    fsdp_param = getattr(param, _SHARDED_AS, None)
+    if fsdp_param is None:
+        fsdp_param = getattr(mod, "_fsdp_params", {}).get(name)
+    return fsdp_param
+
+
+def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: list[nn.Module]) -> None:
+    owner_unit = existing.unit
+    for m in modules:
+        if any(sub is m for sub in owner_unit.module.modules()):
+            raise ValueError(
+                f"fully_shard({unit.fqn}): parameter {fqn!r} is already sharded by "
+                f"fully_shard({owner_unit.fqn}), which contains this module. Apply fully_shard "
+                "to submodules before their parents (bottom-up), as with FSDP2."
+            )
+    if owner_unit.mesh != unit.mesh:
+        raise ValueError(
+            f"fully_shard({unit.fqn}): parameter {fqn!r} is shared with unit {owner_unit.fqn!r} "
+            "which uses a different mesh; a parameter shared between units must use one mesh. "
+            "Pass the same mesh to both fully_shard calls, or shard the common parent instead."
+        )
+
+
+def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> None:
+    """One small collective: every rank must shard the same names, shapes and dtypes."""
+    mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn in owned]
+    group = mesh.get_group()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    rank = dist.get_rank(group)
+    for other_rank, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        for i in range(max(len(mine), len(theirs))):
+            a = mine[i] if i < len(mine) else None
+            b = theirs[i] if i < len(theirs) else None
+            if a != b:
+                raise ValueError(
+                    f"fully_shard({unit_fqn}): ranks hold different parameters; first mismatch at "
+                    f"{(a or b)[0]!r}: rank {rank} has {_describe(a)}, rank {other_rank} has "
+                    f"{_describe(b)}. Build the same model on every rank before sharding."
+                )
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "no such parameter"
+    fqn, shape, dtype = entry
+    return f"{fqn!r} shape {list(shape)} {dtype}"
+
+
+# ------------------------------------------------------------- class swapping
+
+_CLASS_CACHE: dict[tuple, type] = {}
+
+
+def _install_managed_param(owner: nn.Module, name: str, fsdp_param: FSDPParam) -> None:
+    """Register the sharded parameter under ``name`` and route reads through a property."""
+    owner._parameters[name] = fsdp_param.sharded_param
+    if "_fsdp_params" not in owner.__dict__:
+        owner.__dict__["_fsdp_params"] = {}
+    owner.__dict__["_fsdp_params"][name] = fsdp_param
+    _swap_class(owner, is_unit=isinstance(owner, FSDPModule))
+
+
+def _swap_to_fsdp_class(module: nn.Module) -> None:
+    _swap_class(module, is_unit=True)
+
+
+def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
+    cls = type(module)
+    orig = getattr(cls, "_fsdp_orig_class", cls)
+    names = tuple(sorted(module.__dict__.get("_fsdp_params", {})))
+    key = (orig, is_unit, names)
+    new_cls = _CLASS_CACHE.get(key)
+    if new_cls is None:
+        attrs = {name: _managed_param_property(name) for name in names}
+        attrs["_fsdp_orig_class"] = orig
+        attrs["__module__"] = orig.__module__
+        if is_unit:
+            new_cls = type(f"FSDP{orig.__name__}", (FSDPModule, orig), attrs)
+        else:
+            # Non-unit owners keep their name so that printing the model looks as before.
+            new_cls = type(orig.__name__, (orig,), attrs)
+        _CLASS_CACHE[key] = new_cls
+    module.__class__ = new_cls
+
+
+def _managed_param_property(name: str) -> property:
+    def read(self):
+        param = self._parameters[name]
+        if forward_context.depth == 0:
+            return param
+        return self._fsdp_params[name].unshard(param)
+
+    read.__name__ = name
+    return property(read, doc=f"Sharded parameter {name!r}; the full tensor during a sharded forward.")
+
+
+def managed_params(module: nn.Module) -> Iterable[FSDPParam]:
+    """The FSDPParams of every unit in ``module``'s subtree (each once)."""
+    seen = set()
+    for sub in module.modules():
+        unit = getattr(sub, "_fsdp_unit", None)
+        if isinstance(sub, FSDPModule) and unit is not None and id(unit) not in seen:
+            seen.add(id(unit))
+            yield from unit.params

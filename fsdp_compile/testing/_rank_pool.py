@@ -1,0 +1,174 @@
+"""A persistent group of worker processes, one per rank, that run functions on demand.
+
+Starting processes and a process group costs seconds on a small machine;
+a test suite pays it once per pool instead of once per test. Each call sends
+the same function (a picklable, module-level callable) to every rank, waits
+for all answers, and raises with every failing rank's traceback. A rank that
+fails or hangs poisons the group (its peers may be stuck in a collective), so
+the pool is then torn down and restarted on the next call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised (or hung) while running a function."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, conn: Connection, pg_timeout_s: float) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "fake":
+        from fsdp_compile._compat import register_fake_process_group
+
+        register_fake_process_group()
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            torch._dynamo.reset()
+            result = fn(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` processes on one ``backend`` process group, reused across calls.
+
+    >>> pool = RankPool(2)
+    >>> pool.run(some_module.fn, arg)  # fn(arg) on every rank; list of results by rank
+    """
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo", *, timeout_s: float = 300.0, pg_timeout_s: float = 120.0):
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.pg_timeout_s = pg_timeout_s
+        self._procs: list = []
+        self._conns: list[Connection] = []
+
+    # -- lifecycle
+    def start(self) -> None:
+        if self._procs:
+            return
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, port, self.backend, child, self.pg_timeout_s),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect([None] * self.world_size, deadline=time.monotonic() + 120, expect="ready")
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs, self._conns = [], []
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "RankPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- work
+    def run(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results, indexed by rank."""
+        self.start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        return self._collect([None] * self.world_size, deadline=deadline, expect="ok")
+
+    def _collect(self, results: list, *, deadline: float, expect: str) -> list:
+        pending = dict(enumerate(self._conns))
+        errors: dict[int, str] = {}
+        while pending:
+            # Once a rank failed, its peers get a short grace period: they are
+            # likely blocked in a collective that will never complete.
+            limit = min(deadline, self._first_error_at + 10) if errors else deadline
+            remaining = limit - time.monotonic()
+            ready = wait(list(pending.values()), timeout=max(0.0, remaining)) if remaining > 0 else []
+            if not ready:
+                for rank in pending:
+                    alive = self._procs[rank].is_alive()
+                    errors[rank] = "did not answer in time (hung in a collective?)" if alive else "process died"
+                break
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:
+                    kind, payload = "error", f"process died (exit code {self._procs[rank].exitcode})"
+                del pending[rank]
+                if kind == expect:
+                    results[rank] = payload
+                else:
+                    if not errors:
+                        self._first_error_at = time.monotonic()
+                    errors[rank] = payload
+        if errors:
+            self._kill()
+            report = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
+            raise RankFailure(f"{len(errors)} of {self.world_size} ranks failed:\n{report}")
+        return results
+
+    _first_error_at = 0.0
+
+
