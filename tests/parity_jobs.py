@@ -1,0 +1,87 @@
+"""Functions that run on every rank of the pool (module-level so they pickle)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.models import batch, build, loss_fn
+
+COMPILE_BACKENDS = {"ours-eager": None, "ours-aot_eager": "aot_eager", "ours-inductor": "inductor", "fsdp2": None}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _shard_model(variant: str, units) -> None:
+    if variant == "reference":
+        return
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fsdp_compile import fully_shard
+    for unit in units:
+        fully_shard(unit)
+
+
+def train(name: str, variant: str, steps: int = 3, with_eval: bool = False) -> dict:
+    """Train ``name`` for ``steps`` SGD steps under ``variant``; the full parameters after each.
+
+    ``reference`` is one unsharded model on the global batch (computed on every
+    rank, without communication); the others shard it over the pool's ranks and
+    feed each rank its slice of the same global batch.
+    """
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, units = build(name)
+    _shard_model(variant, units)
+    backend = COMPILE_BACKENDS.get(variant)
+    counter = CompileCounterWithBackend(backend) if backend else None
+    run = torch.compile(model, backend=counter, fullgraph=True) if counter else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sharded = variant != "reference"
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(world_size)[rank] if sharded else t
+
+    record: dict = {"loss": [], "params": [], "buffers": [], "eval_out": None}
+
+    def train_step(step: int) -> None:
+        x, y = batch(name, step)
+        loss = loss_fn(name, run(local(x)), local(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(value)
+            value /= world_size
+        record["loss"].append(value.item())
+        record["params"].append({fqn: _full(p) for fqn, p in model.named_parameters()})
+        record["buffers"].append({fqn: b.detach().clone() for fqn, b in model.named_buffers()})
+
+    for step in range(steps):
+        train_step(step)
+    if with_eval:
+        model.eval()
+        x, _ = batch(name, 99)
+        with torch.no_grad():
+            out = run(local(x))
+        if sharded:
+            pieces = [torch.empty_like(out) for _ in range(world_size)]
+            dist.all_gather(pieces, out.contiguous())
+            out = torch.cat(pieces)
+        record["eval_out"] = out
+        model.train()
+        train_step(steps)
+    record["frames"] = counter.frame_count if counter else None
+    record["param_types"] = {fqn: type(p).__name__ for fqn, p in model.named_parameters()}
+    return record
+
+
+def train_all(name: str, variants: list[str], steps: int = 3, with_eval: bool = False) -> dict:
+    return {v: train(name, v, steps, with_eval) for v in variants}
