@@ -32,14 +32,16 @@ class FSDPParam:
     """Sharded storage and unshard recipe for one ``nn.Parameter``.
 
     Attributes:
-        fqn: the parameter's name relative to the root of the ``fully_shard`` call.
+        local_fqn: the parameter's name relative to its unit's module.
+        fqn: its name relative to the outermost sharded module (the root).
         sharded_param: the registered ``nn.Parameter`` wrapping a ``DTensor``.
         layout: the dim-0 split (``None`` for a 0-dim parameter, which is replicated).
         unit: the :class:`~fsdp_compile._fsdp_state.FSDPUnit` that owns it.
     """
 
-    def __init__(self, param: nn.Parameter, fqn: str, mesh: DeviceMesh, unit) -> None:
-        self.fqn = fqn
+    def __init__(self, param: nn.Parameter, local_fqn: str, mesh: DeviceMesh, unit, module_index: int = 0) -> None:
+        self.local_fqn = local_fqn
+        self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
         self.mesh = mesh
         self.group_name = group_name_of(mesh.get_group())
@@ -85,6 +87,11 @@ class FSDPParam:
         self._unsharded = full
         forward_context.gathered.append(self)
         return full
+
+    @property
+    def fqn(self) -> str:
+        prefix = self.unit.module_fqns[self.module_index]
+        return f"{prefix}.{self.local_fqn}" if prefix else self.local_fqn
 
     def drop_unsharded(self) -> None:
         self._unsharded = None

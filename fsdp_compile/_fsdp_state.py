@@ -22,12 +22,30 @@ from torch.distributed.device_mesh import DeviceMesh
 class FSDPUnit:
     """The parameters one ``fully_shard(module)`` call shards, and its options."""
 
-    module: nn.Module
-    fqn: str
+    modules: list  # the module(s) passed to fully_shard
     mesh: DeviceMesh
     reshard_after_forward: bool | None
     params: list = field(default_factory=list)  # list[FSDPParam]
     is_root: bool = True
+    # Path of each module from the outermost sharded module ("" for the root
+    # itself); rewritten when a parent is sharded later.
+    module_fqns: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.module_fqns:
+            self.module_fqns = [""] * len(self.modules)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.modules[0]
+
+    @property
+    def fqn(self) -> str:
+        return self.module_fqns[0]
+
+    def set_module_fqn(self, module: nn.Module, fqn: str) -> None:
+        index = next(i for i, m in enumerate(self.modules) if m is module)
+        self.module_fqns[index] = fqn
 
     def resolved_reshard_after_forward(self) -> bool:
         """FSDP2's rule: ``None`` means True for non-root units and False for the root."""

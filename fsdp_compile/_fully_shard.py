@@ -117,30 +117,31 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh(modules)
     _validate_mesh(mesh, modules)
 
-    unit_fqn = _unit_name(modules)
-    unit = FSDPUnit(module=modules[0], fqn=unit_fqn, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    unit = FSDPUnit(modules=modules, mesh=mesh, reshard_after_forward=reshard_after_forward)
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
-    _check_same_params_on_all_ranks(owned, mesh, unit_fqn)
+    _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
     # -- nothing below may fail on one rank only --
     by_original: dict[int, FSDPParam] = {}
-    for owner, name, param, fqn in owned:
+    for owner, name, param, fqn, module_index in owned:
         fsdp_param = getattr(param, _SHARDED_AS, None)
         if fsdp_param is None:
             fsdp_param = by_original.get(id(param))
         if fsdp_param is None:
-            fsdp_param = FSDPParam(param, fqn, mesh, unit)
+            fsdp_param = FSDPParam(param, fqn, mesh, unit, module_index)
             by_original[id(param)] = fsdp_param
             unit.params.append(fsdp_param)
             setattr(param, _SHARDED_AS, fsdp_param)
         _install_managed_param(owner, name, fsdp_param)
 
     for m in modules:
-        for sub in m.modules():
-            if isinstance(sub, FSDPModule) and sub is not m:
-                sub._fsdp_unit.is_root = False
         _swap_to_fsdp_class(m)
         m._fsdp_unit = unit
+        for prefix, sub in m.named_modules():
+            if isinstance(sub, FSDPModule) and sub is not m:
+                # Nested units are no longer roots, and are named from this module.
+                sub._fsdp_unit.is_root = False
+                sub._fsdp_unit.set_module_fqn(sub, prefix)
     return module
 
 
@@ -198,21 +199,23 @@ def _validate_mesh(mesh: DeviceMesh, modules: list[nn.Module]) -> None:
 
 
 def _unit_name(modules: list[nn.Module]) -> str:
-    names = [type(m).__name__ for m in modules]
+    """The modules' original class names, for messages."""
+    names = [getattr(type(m), "_fsdp_orig_class", type(m)).__name__ for m in modules]
     return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
 
 
 def _collect_owned_params(
     modules: list[nn.Module], ignored: set, unit: FSDPUnit
-) -> list[tuple[nn.Module, str, nn.Parameter, str]]:
-    """(owner, name, parameter, fqn) for every parameter this unit manages.
+) -> list[tuple[nn.Module, str, nn.Parameter, str, int]]:
+    """(owner, name, parameter, fqn, index of the module in ``modules``) for every
+    parameter this unit manages.
 
     Skips subtrees already sharded by an earlier (nested) call; parameters
     owned by those units but also held here (tied weights) are included with
     their existing FSDPParam, which then serves both units.
     """
     owned = []
-    for root in modules:
+    for module_index, root in enumerate(modules):
         stack = [("", root)]
         while stack:
             prefix, mod = stack.pop()
@@ -225,7 +228,7 @@ def _collect_owned_params(
                 existing = _existing_fsdp_param(mod, name, param)
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
-                owned.append((mod, name, param, fqn))
+                owned.append((mod, name, param, fqn, module_index))
             for child_name, child in reversed(list(mod._modules.items())):
                 if child is not None:
                     stack.append((f"{prefix}{child_name}.", child))
@@ -242,15 +245,16 @@ def _existing_fsdp_param(mod: nn.Module, name: str, param: nn.Parameter) -> FSDP
 def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: list[nn.Module]) -> None:
     owner_unit = existing.unit
     for m in modules:
-        if any(sub is m for sub in owner_unit.module.modules()):
+        if any(sub is m for owner in owner_unit.modules for sub in owner.modules()):
             raise ValueError(
-                f"fully_shard({unit.fqn}): parameter {fqn!r} is already sharded by "
-                f"fully_shard({owner_unit.fqn}), which contains this module. Apply fully_shard "
+                f"fully_shard({_unit_name(modules)}): parameter {fqn!r} is already sharded by "
+                f"fully_shard({_unit_name(owner_unit.modules)}), which contains this module. Apply fully_shard "
                 "to submodules before their parents (bottom-up), as with FSDP2."
             )
     if owner_unit.mesh != unit.mesh:
         raise ValueError(
-            f"fully_shard({unit.fqn}): parameter {fqn!r} is shared with unit {owner_unit.fqn!r} "
+            f"fully_shard({_unit_name(modules)}): parameter {fqn!r} is shared with the unit of "
+            f"{_unit_name(owner_unit.modules)} ({owner_unit.fqn or 'root'!r}) "
             "which uses a different mesh; a parameter shared between units must use one mesh. "
             "Pass the same mesh to both fully_shard calls, or shard the common parent instead."
         )
@@ -258,7 +262,7 @@ def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: lis
 
 def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> None:
     """One small collective: every rank must shard the same names, shapes and dtypes."""
-    mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn in owned]
+    mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn, _ in owned]
     group = mesh.get_group()
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)

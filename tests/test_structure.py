@@ -1,0 +1,217 @@
+"""API shape and graph structure, on the ``fake`` process group at world size 8 (one process)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fsdp_compile
+from fsdp_compile import FSDPModule, fully_shard
+from fsdp_compile._compat import c10d_functional
+from fsdp_compile.testing import GraphCapture, collective_nodes, saved_all_gathers
+from tests.models import Llama, LlamaConfig, MLPStack, Zoo, build, zoo_units
+
+ALL_GATHER = c10d_functional.all_gather_into_tensor
+REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_exports():
+    for name in ["fully_shard", "FSDPModule", "FSDPParam", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]:
+        assert hasattr(fsdp_compile, name)
+    import importlib
+
+    for sub in ["passes", "runtime"]:
+        assert importlib.import_module(f"fsdp_compile.{sub}").__name__ == f"fsdp_compile.{sub}"
+
+
+def test_class_swap_and_return_value(fake_pg):
+    model = MLPStack(dim=16, n_layers=2)
+    for layer in model.layers:
+        assert fully_shard(layer) is layer
+    assert fully_shard(model) is model
+    assert type(model).__name__ == "FSDPMLPStack"
+    assert type(model).__mro__[1:3] == (FSDPModule, MLPStack)
+    assert isinstance(model.layers[0], FSDPModule) and isinstance(model.layers[0], nn.Linear)
+    assert type(model.layers[0]).__name__ == "FSDPLinear"
+
+
+def test_list_of_modules_is_one_unit(fake_pg):
+    model = MLPStack(dim=16, n_layers=3)
+    fully_shard([model.layers[0], model.layers[1]])
+    unit0, unit1 = model.layers[0]._fsdp_unit, model.layers[1]._fsdp_unit
+    assert unit0 is unit1 and len(unit0.params) == 2
+    assert isinstance(model.layers[0], FSDPModule) and isinstance(model.layers[1], FSDPModule)
+
+
+@pytest.mark.parametrize("dim0", [1, 5, 8, 13, 17])
+def test_sharded_layout_matches_torch_chunk(fake_pg, dim0):
+    """Uneven dim 0 (smaller than the world size, odd) splits like DTensor's Shard(0)."""
+    linear = nn.Linear(3, dim0)
+    full = {k: v.detach().clone() for k, v in linear.named_parameters()}
+    fully_shard(linear)
+    rank = torch.distributed.get_rank()
+    for name, param in linear.named_parameters():
+        assert isinstance(param, DTensor) and isinstance(param, nn.Parameter)
+        assert param.placements == (Shard(0),)
+        assert param.shape == full[name].shape
+        chunks = torch.chunk(full[name], 8, dim=0)
+        expected = chunks[rank] if rank < len(chunks) else full[name][:0]
+        torch.testing.assert_close(param.to_local(), expected, rtol=0, atol=0)
+
+
+def test_names_and_state_dict_keys_unchanged(fake_pg):
+    model, units = build("zoo")
+    ref = copy.deepcopy(model)
+    for unit in units:
+        fully_shard(unit)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert model.scale.placements == (Replicate(),)  # 0-dim: kept whole on every rank
+    assert not model.frozen.weight.requires_grad
+    # Outside forward, reading the attribute gives the sharded parameter itself.
+    assert model.head.weight is model.head._parameters["weight"]
+
+
+def test_tied_weights_stay_tied(fake_pg):
+    model = Llama(LlamaConfig())
+    fully_shard(model)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert [n for n, _ in model.named_parameters()].count("output.weight") == 0  # deduplicated, as unsharded
+
+
+def test_root_resolution(fake_pg):
+    model = MLPStack(dim=16, n_layers=2)
+    for layer in model.layers:
+        fully_shard(layer)
+    assert model.layers[0]._fsdp_unit.is_root  # until a parent is sharded
+    fully_shard(model)
+    assert model._fsdp_unit.is_root and not model.layers[0]._fsdp_unit.is_root
+    assert model._fsdp_unit.resolved_reshard_after_forward() is False
+    assert model.layers[0]._fsdp_unit.resolved_reshard_after_forward() is True
+
+
+def _compiled_step_graphs(model, x, partitioner):
+    capture = GraphCapture(partitioner)
+    out = torch.compile(model, backend=capture, fullgraph=True)(x)
+    out.sum().backward()
+    assert capture.frame_count == 1
+    (fw,), (bw,) = capture.forward_graphs, capture.backward_graphs
+    return fw, bw
+
+
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_in_graphs(fake_pg, partitioner, reshard):
+    """True: no gathered parameter is a forward output; the backward re-gathers
+    each weight it needs. False: gathered weights are saved; no re-gather."""
+    n_layers = 4
+    model = MLPStack(dim=16, n_layers=n_layers)
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model)
+    fw, bw = _compiled_step_graphs(model, torch.randn(2, 16, requires_grad=True), partitioner)
+    assert len(collective_nodes(fw, ALL_GATHER)) == n_layers
+    assert len(collective_nodes(bw, REDUCE_SCATTER)) == n_layers
+    if reshard:
+        assert saved_all_gathers(fw) == []
+        assert len(collective_nodes(bw, ALL_GATHER)) == n_layers
+    else:
+        assert len(saved_all_gathers(fw)) == n_layers
+        assert collective_nodes(bw, ALL_GATHER) == []
+
+
+def test_first_layer_weight_not_regathered_without_input_grad(fake_pg):
+    """Layer 0's weight is only needed in backward for the input's gradient."""
+    model = MLPStack(dim=16, n_layers=3)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    fw, bw = _compiled_step_graphs(model, torch.randn(2, 16), "min_cut")
+    assert saved_all_gathers(fw) == []
+    assert len(collective_nodes(bw, ALL_GATHER)) == 2
+
+
+def test_llama_compiles_to_one_graph(fake_pg):
+    model = Llama(LlamaConfig(n_layers=4))
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    tokens = torch.randint(0, 64, (2, 16))
+    fw, bw = _compiled_step_graphs(model, tokens, "min_cut")
+    n_params = len(list(model.parameters()))
+    # Each parameter is gathered exactly once in forward, tied weight included.
+    assert len(collective_nodes(fw, ALL_GATHER)) == n_params
+    assert len(collective_nodes(bw, REDUCE_SCATTER)) == n_params
+    assert saved_all_gathers(fw) != []  # the root unit (embeddings, norm) is kept: reshard=False
+    from fsdp_compile.runtime import tag_of
+
+    assert {tag_of(node)["unit_fqn"] for node in saved_all_gathers(fw)} == {""}  # only the root's
+
+
+def test_unit_and_param_names_follow_the_root(fake_pg):
+    model = Llama(LlamaConfig(n_layers=2))
+    for layer in model.layers:
+        fully_shard(layer)
+    assert model.layers[1]._fsdp_unit.fqn == ""  # a root until its parent is sharded
+    fully_shard(model)
+    assert [m._fsdp_unit.fqn for m in model.layers] == ["layers.0", "layers.1"]
+    names = {p.fqn for m in [*model.layers, model] for p in m._fsdp_unit.params}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
+def test_other_collectives_untouched(fake_pg):
+    """A user's all-reduce in the same graph is not tagged for recomputation."""
+    from fsdp_compile.runtime import tag_of
+
+    class WithAllReduce(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            import torch.distributed._functional_collectives as funcol
+
+            y = self.lin(x)
+            return funcol.all_reduce(y, "sum", torch.distributed.group.WORLD)
+
+    model = WithAllReduce()
+    fully_shard(model.lin)
+    fully_shard(model)
+    seen = []
+    prev = torch._functorch.config.joint_custom_pass
+
+    def spy(gm, inputs):
+        gm = prev(gm, inputs)
+        for node in gm.graph.nodes:
+            if node.target is c10d_functional.all_reduce.default:
+                seen.append((tag_of(node), node.meta.get("recompute")))
+        return gm
+
+    with torch._functorch.config.patch(joint_custom_pass=spy):
+        _compiled_step_graphs(model, torch.randn(2, 8, requires_grad=True), "min_cut")
+    assert seen and all(tag is None and recompute is None for tag, recompute in seen)
+
+
+def test_eager_forward_outside_compile(fake_pg):
+    model, units = build("zoo")
+    for unit in units:
+        fully_shard(unit)
+    out = model(torch.randn(3, 4))
+    assert out.shape == (3, 3)
+    # The per-forward cache of gathered tensors is empty again afterwards.
+    from fsdp_compile._fsdp_state import forward_context
+
+    assert forward_context.depth == 0 and forward_context.gathered == []
+    assert all(p._unsharded is None for u in units for p in u._fsdp_unit.params)
