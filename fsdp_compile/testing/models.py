@@ -112,6 +112,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
