@@ -12,6 +12,7 @@ registered sharded ``nn.Parameter(DTensor)``; inside one it returns
 
 from __future__ import annotations
 
+import json
 from typing import Iterable
 
 import torch
@@ -89,9 +90,10 @@ def fully_shard(
     that owns the parameters in its subtree not owned by an earlier call.
     The module's class becomes ``FSDP<Orig>``; it is returned for chaining.
 
-    Every check that can fail runs before the one collective this issues
-    (a cross-rank comparison of parameter names, shapes and dtypes), so bad
-    input fails on every rank alike instead of hanging some of them.
+    Every check that can fail runs before the only collectives this issues
+    (a small cross-rank comparison of parameter names, shapes and dtypes,
+    which then fails on every rank alike), so bad input never leaves some
+    ranks waiting in a collective that others never join.
 
     Args:
         module: the module, or a list of modules forming one unit.
@@ -261,11 +263,10 @@ def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: lis
 
 
 def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> None:
-    """One small collective: every rank must shard the same names, shapes and dtypes."""
+    """Every rank must shard the same names, shapes and dtypes (two small all-gathers)."""
     mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn, _ in owned]
     group = mesh.get_group()
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = _all_gather_json(mine, group, _collective_device(mesh))
     rank = dist.get_rank(group)
     for other_rank, theirs in enumerate(everyone):
         if theirs == mine:
@@ -279,6 +280,27 @@ def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> N
                     f"{(a or b)[0]!r}: rank {rank} has {_describe(a)}, rank {other_rank} has "
                     f"{_describe(b)}. Build the same model on every rank before sharding."
                 )
+
+
+def _collective_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _all_gather_json(value, group, device: torch.device) -> list:
+    """Every rank's ``value`` (JSON-able), with two small collectives and no pickling."""
+    payload = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
+    world_size = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], device=device), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded, group=group)
+    decoded = [bytes(g[: int(n.item())].tolist()).decode() for g, n in zip(gathered, sizes)]
+    return [[(fqn, tuple(shape), dtype) for fqn, shape, dtype in json.loads(d)] for d in decoded]
 
 
 def _describe(entry) -> str:
