@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_compile._compat import group_name_of
-from fsdp_compile._fsdp_state import forward_context
+from fsdp_compile._fsdp_state import RegatherSlot, forward_context
 from fsdp_compile.runtime.collectives import (
     ShardLayout,
     collective_annotation,
@@ -66,9 +66,11 @@ class FSDPParam:
             if not key.startswith("_fsdp"):
                 setattr(self.sharded_param, key, value)
         self._unsharded: torch.Tensor | None = None
+        self._regather_slot: RegatherSlot | None = None
 
     def unshard(self, sharded_param: nn.Parameter) -> torch.Tensor:
-        """The full tensor for this forward; gathered once, then reused until the forward ends.
+        """The full tensor; gathered once, then reused until the innermost running
+        sharded forward returns (see :class:`~fsdp_compile._fsdp_state._ForwardContext`).
 
         ``sharded_param`` is passed in (rather than read from ``self``) so that
         Dynamo sees it come from the module's ``_parameters`` and lifts it as a
@@ -85,8 +87,20 @@ class FSDPParam:
         else:
             full = all_gather_shard(local, self.layout, annotation)
         self._unsharded = full
-        forward_context.gathered.append(self)
+        forward_context.note_gathered(self, full)
         return full
+
+    def regather(self) -> torch.Tensor:
+        """Eager backward: the full tensor again, without autograd (see ``eager_reshard_hooks``)."""
+        annotation = collective_annotation("regather", self.fqn, self.unit.fqn, True)
+        with torch.no_grad():
+            return all_gather_shard(self.sharded_param.to_local(), self.layout, annotation)
+
+    def regather_slot(self) -> RegatherSlot:
+        """The slot shared by all saved views of this parameter in the current forward."""
+        if self._regather_slot is None or self._regather_slot.pending == 0:
+            self._regather_slot = RegatherSlot(self)
+        return self._regather_slot
 
     @property
     def fqn(self) -> str:
@@ -94,6 +108,8 @@ class FSDPParam:
         return f"{prefix}.{self.local_fqn}" if prefix else self.local_fqn
 
     def drop_unsharded(self) -> None:
+        if self._unsharded is not None:
+            forward_context.forget_storage(self._unsharded)
         self._unsharded = None
 
     def __repr__(self) -> str:

@@ -12,8 +12,10 @@ side effect; nothing of them survives into the next step.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -55,21 +57,97 @@ class FSDPUnit:
 
 
 class _ForwardContext:
-    """Process-wide: how deep we are in sharded forwards, and what was gathered."""
+    """Process-wide stack of running sharded forwards and what each gathered.
+
+    A parameter's full tensor is cached in the innermost running sharded
+    forward that read it, and dropped when that forward returns: a weight read
+    twice inside one unit is gathered once, while in eager mode a unit's
+    gathered weights do not outlive its forward (FSDP2's memory profile). A
+    read outside the owning unit's forward (weight reuse, ties across units)
+    gathers again; its gradient then arrives through two reduce-scatters.
+    """
 
     def __init__(self) -> None:
-        self.depth = 0
-        self.gathered: list = []  # FSDPParams whose full tensor is cached
+        self.frames: list[list] = []  # per running sharded forward: its gathered FSDPParams
+        # Eager only: storage address of each cached full tensor -> its
+        # FSDPParam, for the saved-tensor hooks that reshard after forward.
+        # An entry lives exactly as long as the cached tensor it names, so
+        # its address cannot be reused by another tensor meanwhile.
+        self.gathered_storage: dict[int, object] = {}
+
+    @property
+    def depth(self) -> int:
+        return len(self.frames)
 
     def enter(self) -> None:
-        self.depth += 1
+        self.frames.append([])
 
     def exit(self) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            for fsdp_param in self.gathered:
-                fsdp_param.drop_unsharded()
-            self.gathered.clear()
+        for fsdp_param in self.frames.pop():
+            fsdp_param.drop_unsharded()
+
+    def note_gathered(self, fsdp_param, full: torch.Tensor) -> None:
+        self.frames[-1].append(fsdp_param)
+        if not torch.compiler.is_compiling() and full.numel() > 0:
+            self.gathered_storage[full.untyped_storage().data_ptr()] = fsdp_param
+
+    def forget_storage(self, full: torch.Tensor) -> None:
+        if not torch.compiler.is_compiling() and full.numel() > 0:
+            self.gathered_storage.pop(full.untyped_storage().data_ptr(), None)
+
+    def eager_reshard_hooks(self):
+        """Saved-tensor hooks that make eager autograd re-gather instead of keeping.
+
+        Autograd saves the full weight (or a view of it, e.g. ``W.t()``) for
+        the backward of ops like ``mm``. For a unit with
+        ``reshard_after_forward=True`` we save a small handle instead and
+        all-gather again when backward unpacks it, as FSDP2 does. Compiled
+        runs get the same effect from the reshard pass on the joint graph.
+        """
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if type(t) is not torch.Tensor or t.numel() == 0 or not self.gathered_storage:
+            return t
+        fsdp_param = self.gathered_storage.get(t.untyped_storage().data_ptr())
+        if fsdp_param is None or not fsdp_param.unit.resolved_reshard_after_forward():
+            return t
+        slot = fsdp_param.regather_slot()
+        slot.pending += 1
+        return _Regather(slot, t.size(), t.stride(), t.storage_offset())
+
+
+@dataclass
+class RegatherSlot:
+    """One parameter's re-gathered tensor, shared by every saved view of it in
+    one backward and dropped once the last of them is unpacked."""
+
+    fsdp_param: object
+    pending: int = 0
+    full: torch.Tensor | None = None
+
+
+@dataclass
+class _Regather:
+    slot: RegatherSlot
+    size: torch.Size
+    stride: tuple
+    storage_offset: int
+
+
+def _unpack(packed):
+    if not isinstance(packed, _Regather):
+        return packed
+    slot = packed.slot
+    if slot.full is None:
+        slot.full = slot.fsdp_param.regather()
+    # The re-gathered tensor has the original layout, so the saved view is
+    # rebuilt from its size, stride and offset.
+    view = slot.full.as_strided(packed.size, packed.stride, packed.storage_offset)
+    slot.pending -= 1
+    if slot.pending == 0:
+        slot.full = None
+    return view
 
 
 forward_context = _ForwardContext()

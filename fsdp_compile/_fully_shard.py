@@ -39,8 +39,14 @@ class FSDPModule:
     _fsdp_unit: FSDPUnit
 
     def forward(self, *args, **kwargs):
+        outermost_eager = (
+            forward_context.depth == 0 and not torch.compiler.is_compiling() and torch.is_grad_enabled()
+        )
         forward_context.enter()
         try:
+            if outermost_eager:
+                with forward_context.eager_reshard_hooks():
+                    return super().forward(*args, **kwargs)
             return super().forward(*args, **kwargs)
         finally:
             forward_context.exit()

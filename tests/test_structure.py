@@ -213,5 +213,47 @@ def test_eager_forward_outside_compile(fake_pg):
     # The per-forward cache of gathered tensors is empty again afterwards.
     from fsdp_compile._fsdp_state import forward_context
 
-    assert forward_context.depth == 0 and forward_context.gathered == []
+    assert forward_context.depth == 0 and forward_context.gathered_storage == {}
     assert all(p._unsharded is None for u in units for p in u._fsdp_unit.params)
+
+
+class _CollectiveLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts eager all-gathers and keeps weak references to their results."""
+
+    def __init__(self):
+        super().__init__()
+        self.gathers = 0
+        self.results = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is ALL_GATHER.default:
+            self.gathers += 1
+        if func is c10d_functional.wait_tensor.default:
+            import weakref
+
+            self.results.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_eager_reshard_after_forward(fake_pg, reshard):
+    """Eager runs the same policy as compiled ones: gathered weights of a resharded
+    unit are freed after forward and gathered again in backward."""
+    import gc
+
+    model = MLPStack(dim=16, n_layers=4)
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model)
+    forward_log, backward_log = _CollectiveLog(), _CollectiveLog()
+    with forward_log:
+        loss = model(torch.randn(2, 16)).sum()
+    gc.collect()
+    alive = [ref for ref in forward_log.results if ref() is not None]
+    assert forward_log.gathers == 4
+    assert len(alive) == (0 if reshard else 3)  # layer 0's weight is not needed in backward
+    with backward_log:
+        loss.backward()
+    assert backward_log.gathers == (3 if reshard else 0)
+    assert all(p.grad is not None for p in model.parameters())
