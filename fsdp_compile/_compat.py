@@ -24,6 +24,34 @@ from torch.fx.traceback import annotate as fx_annotate  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402  (public, listed for completeness)
 
 
+def detect_fake_mode(tensors):
+    """torch/_guards.py: the FakeTensorMode the given (fake) tensors belong to, if any."""
+    return torch._guards.detect_fake_mode(tensors)
+
+
+# torch/_inductor/custom_graph_pass.py: base class of Inductor custom passes
+# (a __call__ on the graph plus a uuid() that keys Inductor's caches).
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
+from torch._inductor.custom_graph_pass import get_hash_for_files as _hash_for_files  # noqa: E402
+
+
+def hash_of_files(paths: tuple[str, ...], extra: str = "") -> bytes:
+    return _hash_for_files(paths, extra)
+
+
+def get_post_grad_custom_post_pass():
+    """torch/_inductor/config.py: passes run on each post-grad graph (forward and backward)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.post_grad_custom_post_pass
+
+
+def set_post_grad_custom_post_pass(value) -> None:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.post_grad_custom_post_pass = value
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -57,4 +85,9 @@ __all__ = [
     "is_backward_node",
     "group_name_of",
     "register_fake_process_group",
+    "detect_fake_mode",
+    "CustomGraphPass",
+    "hash_of_files",
+    "get_post_grad_custom_post_pass",
+    "set_post_grad_custom_post_pass",
 ]

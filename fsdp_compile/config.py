@@ -1,0 +1,122 @@
+"""How the compiler schedules sharded collectives: one place for every knob.
+
+Patchable like ``torch._inductor.config``::
+
+    import fsdp_compile.config as fsdp_config
+
+    fsdp_config.bucket_mode = "cap"
+    with fsdp_config.patch(prefetch_depth=2, reorder=False):
+        ...
+
+``fully_shard(...)`` arguments say *what* is sharded (FSDP2's API); these say
+*how* the compiled graph communicates. Every rank must use the same values:
+they steer graph rewrites, and ranks that rewrite differently would issue
+collectives in different orders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Any, Iterator
+
+#: Joint graph: recompute (re-gather in backward) the all-gathers of units
+#: with ``reshard_after_forward=True``. Off keeps every gathered parameter
+#: alive from forward to backward (debugging only).
+reshard_pass: bool = True
+
+#: Post-grad graphs: merge each unit's collectives into buckets.
+bucketing: bool = True
+
+#: ``"unit"``: one all-gather and one reduce-scatter per unit and dtype (FSDP2's
+#: behaviour); ``"cap"``: split a unit's bucket at ``bucket_cap_mb``;
+#: ``"auto"``: let the cost model choose the number of buckets per unit.
+bucket_mode: str = "unit"
+
+#: Upper bound on one bucket, in MiB of one rank's shard (``bucket_mode="cap"``).
+bucket_cap_mb: float = 25.0
+
+#: Post-grad graphs: issue all-gathers early (prefetch) and wait late.
+reorder: bool = True
+
+#: How many all-gather buckets may be issued ahead of the one in use.
+prefetch_depth: int = 1
+
+#: How many reduce-scatter buckets may be in flight at once in backward.
+reduce_scatter_depth: int = 1
+
+#: Upper bound on bytes of gathered (unsharded) buckets in flight, or ``None``
+#: for no bound beyond ``prefetch_depth``. A prefetch that would exceed it is
+#: issued later instead.
+max_inflight_bytes: int | None = None
+
+#: Hardware profile the cost model uses for ``bucket_mode="auto"`` and reports
+#: (see ``fsdp_compile.passes.cost_model.PROFILES``).
+hardware_profile: str = "cpu-gloo"
+
+_FIELDS = (
+    "reshard_pass",
+    "bucketing",
+    "bucket_mode",
+    "bucket_cap_mb",
+    "reorder",
+    "prefetch_depth",
+    "reduce_scatter_depth",
+    "max_inflight_bytes",
+    "hardware_profile",
+)
+_BUCKET_MODES = ("unit", "cap", "auto")
+
+
+def snapshot() -> dict[str, Any]:
+    """Current values (part of our Inductor pass's cache key)."""
+    module = sys.modules[__name__]
+    return {name: getattr(module, name) for name in _FIELDS}
+
+
+def validate() -> None:
+    if bucket_mode not in _BUCKET_MODES:
+        raise ValueError(f"fsdp_compile.config.bucket_mode={bucket_mode!r}; expected one of {_BUCKET_MODES}")
+    if prefetch_depth < 0 or reduce_scatter_depth < 1:
+        raise ValueError("fsdp_compile.config: prefetch_depth must be >= 0 and reduce_scatter_depth >= 1")
+
+
+@contextlib.contextmanager
+def _patch_context(changes: dict[str, Any]) -> Iterator[None]:
+    module = sys.modules[__name__]
+    unknown = set(changes) - set(_FIELDS)
+    if unknown:
+        raise AttributeError(f"fsdp_compile.config has no option(s) {sorted(unknown)}; options: {list(_FIELDS)}")
+    saved = {name: getattr(module, name) for name in changes}
+    for name, value in changes.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+class patch:
+    """Temporarily set options; a context manager or a decorator."""
+
+    def __init__(self, **changes: Any) -> None:
+        self._changes = changes
+        self._stack: list = []
+
+    def __enter__(self) -> None:
+        ctx = _patch_context(self._changes)
+        ctx.__enter__()
+        self._stack.append(ctx)
+
+    def __exit__(self, *exc) -> None:
+        self._stack.pop().__exit__(*exc)
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with _patch_context(self._changes):
+                return fn(*args, **kwargs)
+
+        return wrapper

@@ -1,0 +1,163 @@
+"""Bucketing: merge a unit's per-parameter collectives into one collective per bucket.
+
+FSDP2 issues one all-gather and one reduce-scatter per unit; traced per
+parameter, a compiled step has one of each per parameter instead, each paying
+the collective's latency. These passes merge them back.
+
+Copies (one pass over the bytes each way, as FSDP2's copy-in/copy-out):
+
+* all-gather: copy-in concatenates the members' local shards into one flat
+  buffer (``local bytes``); copy-out takes each member's column block of the
+  ``[world_size, total]`` result into its own contiguous tensor (``gathered
+  bytes``), since each member's rows are spread over every rank's block.
+* reduce-scatter: copy-in lays each member's ``[world_size, numel]`` gradient
+  side by side into ``[world_size, total]`` (``gathered bytes``); copy-out is
+  free: each member's shard is a contiguous slice of the reduced buffer.
+
+Invariant kept by both passes: every member's consumers receive a tensor of
+the same shape, dtype and values as before (bitwise on 2 ranks: each element
+is reduced over the same ranks in the same order); collectives that are not
+ours, or that do not share unit, group, dtype and reduce op, are untouched;
+each bucket is issued where its last member was, so the issue sequence is a
+function of the (rank-independent) order of the original collectives: every
+rank issues the same sequence even though ranks whose shard needs padding
+have extra nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile.runtime.collectives import ANNOTATION_KEY
+from fsdp_compile.passes.graph_utils import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    WAIT,
+    Collective,
+    aten,
+    emit,
+    our_collectives,
+    stable_topological_sort,
+    val,
+)
+
+
+@dataclass
+class Bucket:
+    """Collectives merged into one: same kind, unit, group, dtype and reduce op."""
+
+    members: list[Collective]
+
+    @property
+    def kind(self) -> str:
+        return self.members[0].kind
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(m.input_bytes for m in self.members)
+
+
+def bucket_key(c: Collective) -> tuple:
+    """Collectives may share a bucket only if they agree on all of these."""
+    return (c.kind, c.tag["unit_fqn"], c.tag["role"], c.group_name, c.world_size, c.reduce_op, c.dtype)
+
+
+def plan_buckets(collectives: list[Collective], cap_bytes: int | None = None) -> list[Bucket]:
+    """Group ``collectives`` by :func:`bucket_key` (first appearance order), then split each
+    group into consecutive buckets of at most ``cap_bytes`` input bytes (a member larger
+    than the cap gets a bucket of its own). ``None``: one bucket per group."""
+    groups: dict[tuple, list[Collective]] = {}
+    for c in collectives:
+        groups.setdefault(bucket_key(c), []).append(c)
+    buckets = []
+    for members in groups.values():
+        current: list[Collective] = []
+        size = 0
+        for m in members:
+            if current and cap_bytes is not None and size + m.input_bytes > cap_bytes:
+                buckets.append(Bucket(current))
+                current, size = [], 0
+            current.append(m)
+            size += m.input_bytes
+        buckets.append(Bucket(current))
+    return buckets
+
+
+def _bucket_tag(bucket: Bucket) -> dict:
+    first = dict(bucket.members[0].tag)
+    first["param_fqn"] = ",".join(m.tag["param_fqn"] for m in bucket.members)
+    first["bucket_size"] = len(bucket.members)
+    return {ANNOTATION_KEY: first}
+
+
+def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
+    members = bucket.members
+    ws, group = members[0].world_size, members[0].group_name
+    numels = [m.input_numel for m in members]
+    total = sum(numels)
+    tag = _bucket_tag(bucket)
+    # At the last member's issue every member's input exists on every rank.
+    # (Inserting earlier would leave the placement to the topological sort,
+    # which depends on rank-specific padding nodes: ranks whose shard needs
+    # no padding would then issue buckets in a different order -> hang.)
+    with graph.inserting_before(members[-1].issue):
+        flat = [emit(graph, aten.view.default, (m.input, [-1]), tag=tag) for m in members]
+        copy_in = emit(graph, aten.cat.default, (flat,), tag=tag)
+        issue = emit(graph, ALL_GATHER, (copy_in, ws, group), tag=tag)
+        wait = emit(graph, WAIT, (issue,), tag=tag)
+        grid = emit(graph, aten.view.default, (wait, [ws, total]), tag=tag)
+        offset = 0
+        for m, numel in zip(members, numels):
+            block = emit(graph, aten.slice.Tensor, (grid, 1, offset, offset + numel), tag=tag)
+            offset += numel
+            copy_out = emit(graph, aten.clone.default, (block,), {"memory_format": torch.contiguous_format}, tag=tag)
+            full = emit(graph, aten.view.default, (copy_out, list(val(m.wait).shape)), tag=tag)
+            m.wait.replace_all_uses_with(full)
+    for m in members:
+        graph.erase_node(m.wait)
+        graph.erase_node(m.issue)
+
+
+def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
+    members = bucket.members
+    ws, group, op = members[0].world_size, members[0].group_name, members[0].reduce_op
+    shard_numels = [m.input_numel // ws for m in members]
+    tag = _bucket_tag(bucket)
+    with graph.inserting_before(members[-1].issue):
+        rows = [emit(graph, aten.view.default, (m.input, [ws, n]), tag=tag) for m, n in zip(members, shard_numels)]
+        copy_in = emit(graph, aten.cat.default, (rows, 1), tag=tag)
+        flat = emit(graph, aten.view.default, (copy_in, [-1]), tag=tag)
+        issue = emit(graph, REDUCE_SCATTER, (flat, op, ws, group), tag=tag)
+        wait = emit(graph, WAIT, (issue,), tag=tag)
+        offset = 0
+        for m, numel in zip(members, shard_numels):
+            piece = emit(graph, aten.slice.Tensor, (wait, 0, offset, offset + numel), tag=tag)
+            offset += numel
+            shard = emit(graph, aten.view.default, (piece, list(val(m.wait).shape)), tag=tag)
+            m.wait.replace_all_uses_with(shard)
+    for m in members:
+        graph.erase_node(m.wait)
+        graph.erase_node(m.issue)
+
+
+def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:
+    """Rewrite ``graph`` so each multi-member bucket is one collective (see module docstring)."""
+    for bucket in buckets:
+        if len(bucket.members) < 2:
+            continue
+        if bucket.kind == "all_gather":
+            _merge_all_gather(graph, bucket)
+        else:
+            _merge_reduce_scatter(graph, bucket)
+    stable_topological_sort(graph)
+    graph.lint()
+
+
+def bucket_collectives(graph: fx.Graph, cap_bytes: int | None = None) -> list[Bucket]:
+    """Plan and apply buckets for every all-gather and reduce-scatter of ours in ``graph``."""
+    buckets = plan_buckets(our_collectives(graph), cap_bytes)
+    apply_buckets(graph, buckets)
+    return buckets

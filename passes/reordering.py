@@ -1,0 +1,157 @@
+"""Reordering: issue collectives early and wait for them late, within a memory bound.
+
+Traced code waits for each collective right after issuing it, so all
+communication is exposed. This pass moves nodes (it never adds, removes or
+rewires one) so that Inductor's code overlaps communication with compute:
+
+* every wait, with the copy-out that follows it, sinks to just before the
+  first use of its result;
+* the all-gather of bucket ``k`` (with its copy-in) is issued just before the
+  wait of bucket ``k - prefetch_depth``, i.e. while bucket ``k - depth``'s
+  compute runs (FSDP2's prefetch); the first ``depth`` buckets go to the top
+  of the graph, where in backward they overlap the loss gradient;
+  ``max_inflight_bytes`` lowers the depth for a bucket whose gathered bytes
+  would exceed it;
+* each reduce-scatter is issued as soon as its gradients exist (bucketing
+  already places it there) and waited at its first use, but before the issue
+  of reduce-scatter ``k + reduce_scatter_depth``, so at most that many
+  full-size gradient buffers are alive at once.
+
+Invariant: the same nodes and edges, a valid topological order, and the same
+relative order of collective issues as before (so every rank, making the same
+decisions from the same graph, issues the same sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile.passes.graph_utils import Collective, our_collectives, stable_topological_sort
+from fsdp_compile.runtime.collectives import tag_of
+
+# Nodes that may be moved earlier along with a collective's issue: they only
+# reshape, pad or copy the collective's input and cost nothing to run early.
+_MOVABLE_CONSTRUCTORS = {
+    torch.ops.aten.full.default,
+    torch.ops.aten.zeros.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.empty.memory_format,
+}
+
+
+def tail_of(c: Collective) -> list[fx.Node]:
+    """The wait and the copy-out chain traced with it (same role), in graph order."""
+    role = c.tag["role"]
+    tail, stack = [c.wait], list(c.wait.users)
+    while stack:
+        node = stack.pop()
+        tag = tag_of(node)
+        if node in tail or node.op != "call_function" or tag is None or tag["role"] != role:
+            continue
+        tail.append(node)
+        stack.extend(node.users)
+    order = _positions(c.issue.graph)
+    return sorted(tail, key=order.__getitem__)
+
+
+def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _move_before(nodes: list[fx.Node], target: fx.Node) -> None:
+    for node in nodes:
+        if node is not target:
+            target.prepend(node)
+
+
+def sink_tail(c: Collective) -> None:
+    """Move the wait and its copy-out to just before the first outside use of the result."""
+    tail = tail_of(c)
+    members = set(tail)
+    order = _positions(c.issue.graph)
+    outside_users = [u for n in tail for u in n.users if u not in members]
+    if outside_users:
+        _move_before(tail, min(outside_users, key=order.__getitem__))
+
+
+def _is_movable(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if tag_of(node) is not None:
+        return True
+    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+        return True
+    return target in _MOVABLE_CONSTRUCTORS
+
+
+def head_of(c: Collective, before: fx.Node) -> list[fx.Node] | None:
+    """The issue and every input it needs that sits after ``before``, or ``None`` if one
+    of those is real compute (the issue then cannot move above ``before``)."""
+    order = _positions(c.issue.graph)
+    limit = order[before]
+    head, stack = [], [c.issue]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or order[node] < limit:
+            continue
+        seen.add(node)
+        if node is not c.issue and not _is_movable(node):
+            return None
+        head.append(node)
+        stack.extend(node.all_input_nodes)
+    return sorted(head, key=order.__getitem__)
+
+
+def prefetch_all_gathers(
+    all_gathers: list[Collective], depth: int, max_inflight_bytes: int | None = None
+) -> None:
+    """Issue all-gather ``k`` before the wait of all-gather ``k - depth`` (see module docstring)."""
+    if not all_gathers or depth < 1:
+        return
+    graph = all_gathers[0].issue.graph
+    anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    gathered = [c.input_bytes * c.world_size for c in all_gathers]
+    for k, c in enumerate(all_gathers):
+        j = k - depth
+        if max_inflight_bytes is not None:
+            while j < k and sum(gathered[max(j, 0) : k + 1]) > max_inflight_bytes:
+                j += 1
+            if j == k:
+                continue  # no room: stays where it is
+        target = anchor if j < 0 else all_gathers[j].wait
+        head = head_of(c, target)
+        if head is not None:
+            _move_before(head, target)
+
+
+def bound_reduce_scatters(reduce_scatters: list[Collective], depth: int) -> None:
+    """Wait for reduce-scatter ``k`` before reduce-scatter ``k + depth`` is issued."""
+    for k, c in enumerate(reduce_scatters):
+        if k + depth >= len(reduce_scatters):
+            break
+        later_issue = reduce_scatters[k + depth].issue
+        order = _positions(c.issue.graph)
+        tail = tail_of(c)
+        if order[tail[0]] > order[later_issue]:
+            _move_before(tail, later_issue)
+
+
+def reorder_for_overlap(
+    graph: fx.Graph,
+    *,
+    prefetch_depth: int = 1,
+    reduce_scatter_depth: int = 1,
+    max_inflight_bytes: int | None = None,
+) -> None:
+    """Early issues, late waits (module docstring); moves nodes only."""
+    all_gathers = our_collectives(graph, "all_gather")
+    reduce_scatters = our_collectives(graph, "reduce_scatter")
+    for c in all_gathers + reduce_scatters:
+        sink_tail(c)
+    prefetch_all_gathers(all_gathers, prefetch_depth, max_inflight_bytes)
+    bound_reduce_scatters(reduce_scatters, reduce_scatter_depth)
+    stable_topological_sort(graph)
+    graph.lint()
