@@ -52,6 +52,15 @@ def set_post_grad_custom_post_pass(value) -> None:
     inductor_config.post_grad_custom_post_pass = value
 
 
+def preserve_node_ordering(graph, additional_deps: dict) -> None:
+    """torch/_inductor/fx_passes/control_dependencies.py: wrap each dependent node in
+    ``control_deps`` so Inductor's scheduler runs it after the given nodes."""
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering as _preserve
+    from torch.utils._ordered_set import OrderedSet
+
+    _preserve(graph, {node: OrderedSet(deps) for node, deps in additional_deps.items()})
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -90,4 +99,5 @@ __all__ = [
     "hash_of_files",
     "get_post_grad_custom_post_pass",
     "set_post_grad_custom_post_pass",
+    "preserve_node_ordering",
 ]

@@ -6,8 +6,9 @@ the collective's latency. These passes merge them back.
 
 Copies (one pass over the bytes each way, as FSDP2's copy-in/copy-out):
 
-* all-gather: copy-in concatenates the members' local shards into one flat
-  buffer (``local bytes``); copy-out takes each member's column block of the
+* all-gather: copy-in (``fsdp_compile::all_gather_copy_in``, an opaque op so
+  Inductor cannot fuse it into unrelated compute and delay the collective)
+  concatenates the members' local shards into one flat buffer (``local bytes``); copy-out takes each member's column block of the
   ``[world_size, total]`` result into its own contiguous tensor (``gathered
   bytes``), since each member's rows are spread over every rank's block.
 * reduce-scatter: copy-in lays each member's ``[world_size, numel]`` gradient
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fsdp_compile.runtime import bucket_copies  # noqa: F401  (registers the copy-in ops)
 from fsdp_compile.runtime.collectives import ANNOTATION_KEY
 from fsdp_compile.passes.graph_utils import (
     ALL_GATHER,
@@ -43,6 +45,9 @@ from fsdp_compile.passes.graph_utils import (
     stable_topological_sort,
     val,
 )
+
+ALL_GATHER_COPY_IN = torch.ops.fsdp_compile.all_gather_copy_in.default
+REDUCE_SCATTER_COPY_IN = torch.ops.fsdp_compile.reduce_scatter_copy_in.default
 
 
 @dataclass
@@ -104,8 +109,7 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
     # which depends on rank-specific padding nodes: ranks whose shard needs
     # no padding would then issue buckets in a different order -> hang.)
     with graph.inserting_before(members[-1].issue):
-        flat = [emit(graph, aten.view.default, (m.input, [-1]), tag=tag) for m in members]
-        copy_in = emit(graph, aten.cat.default, (flat,), tag=tag)
+        copy_in = emit(graph, ALL_GATHER_COPY_IN, ([m.input for m in members],), tag=tag)
         issue = emit(graph, ALL_GATHER, (copy_in, ws, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
         grid = emit(graph, aten.view.default, (wait, [ws, total]), tag=tag)
@@ -127,10 +131,8 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
     shard_numels = [m.input_numel // ws for m in members]
     tag = _bucket_tag(bucket)
     with graph.inserting_before(members[-1].issue):
-        rows = [emit(graph, aten.view.default, (m.input, [ws, n]), tag=tag) for m, n in zip(members, shard_numels)]
-        copy_in = emit(graph, aten.cat.default, (rows, 1), tag=tag)
-        flat = emit(graph, aten.view.default, (copy_in, [-1]), tag=tag)
-        issue = emit(graph, REDUCE_SCATTER, (flat, op, ws, group), tag=tag)
+        copy_in = emit(graph, REDUCE_SCATTER_COPY_IN, ([m.input for m in members], ws), tag=tag)
+        issue = emit(graph, REDUCE_SCATTER, (copy_in, op, ws, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
         offset = 0
         for m, numel in zip(members, shard_numels):

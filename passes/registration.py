@@ -31,6 +31,7 @@ from fsdp_compile._compat import (
 )
 from fsdp_compile.passes.bucketing import bucket_collectives
 from fsdp_compile.passes.graph_utils import our_collectives
+from fsdp_compile.passes.pinning import pin_schedule
 from fsdp_compile.passes.reordering import reorder_for_overlap
 from fsdp_compile.passes.reshard import tag_reshard_after_forward
 
@@ -45,7 +46,7 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
 
 
 def fsdp_post_grad_pass(graph: fx.Graph) -> None:
-    """Our post-grad passes, in order: bucketing, then reordering."""
+    """Our post-grad passes, in order: bucketing, reordering, pinning the order."""
     if not our_collectives(graph):
         return
     config.validate()
@@ -64,6 +65,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
             reduce_scatter_depth=config.reduce_scatter_depth,
             max_inflight_bytes=config.max_inflight_bytes,
         )
+        pin_schedule(graph, config.reduce_scatter_depth)
 
 
 class _ChainedJointPass:

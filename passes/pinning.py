@@ -1,0 +1,69 @@
+"""Pinning: make the overlap survive Inductor's own scheduling.
+
+Inductor's scheduler may pick any topological order; with
+``reorder_for_peak_memory`` (on by default) it prefers one of lower
+estimated peak memory, and a prefetched all-gather raises the peak by
+design, so it moves each issue down next to its wait and the overlap is
+gone. This pass turns the schedule the reordering pass chose into
+dependencies, with Inductor's ``control_deps``:
+
+* the first compute node after a collective's issue runs after the issue;
+* the wait runs after the last compute node before it;
+* reduce-scatter ``k + depth`` is issued after reduce-scatter ``k``'s wait
+  (the in-flight bound).
+
+Invariant: values are unchanged (``control_deps`` only adds ordering edges);
+every added edge points forward in the current (valid) order, so no cycle.
+Run it last: it wraps nodes, which later structural passes would not expect.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile._compat import preserve_node_ordering
+from fsdp_compile.passes.graph_utils import our_collectives
+from fsdp_compile.runtime.collectives import tag_of
+
+
+def _is_compute(node: fx.Node) -> bool:
+    """A node that becomes a kernel: an aten op on tensors, not a view, not a constant
+    (a ``full`` without inputs is folded into its users, so an edge on it is lost)."""
+    if node.op != "call_function" or tag_of(node) is not None:
+        return False
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.is_view:
+        return False
+    return any(isinstance(i.meta.get("val"), torch.Tensor) for i in node.all_input_nodes)
+
+
+def schedule_constraints(graph: fx.Graph, reduce_scatter_depth: int = 1) -> dict[fx.Node, list[fx.Node]]:
+    """Dependent node -> nodes it must run after, to keep the current overlap."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    compute_positions = [i for i, n in enumerate(nodes) if _is_compute(n)]
+    deps: dict[fx.Node, list[fx.Node]] = {}
+
+    def add(dependent: fx.Node, dep: fx.Node) -> None:
+        deps.setdefault(dependent, [])
+        if dep not in deps[dependent]:
+            deps[dependent].append(dep)
+
+    for c in our_collectives(graph):
+        lo, hi = position[c.issue], position[c.wait]
+        between = [i for i in compute_positions if lo < i < hi]
+        if between:
+            add(nodes[between[0]], c.issue)
+            add(c.wait, nodes[between[-1]])
+    reduce_scatters = our_collectives(graph, "reduce_scatter")
+    for k in range(len(reduce_scatters) - reduce_scatter_depth):
+        add(reduce_scatters[k + reduce_scatter_depth].issue, reduce_scatters[k].wait)
+    return deps
+
+
+def pin_schedule(graph: fx.Graph, reduce_scatter_depth: int = 1) -> None:
+    """Add the :func:`schedule_constraints` edges to ``graph``."""
+    deps = schedule_constraints(graph, reduce_scatter_depth)
+    if deps:
+        preserve_node_ordering(graph, deps)
