@@ -92,16 +92,27 @@ def emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None, *, ta
     """
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
-    values = fx.node.map_arg(args, lambda n: n.meta.get("val"))
-    leaves: list = []
-    fx.node.map_aggregate(values, lambda v: leaves.append(v) or v)
-    fake_mode = detect_fake_mode([v for v in leaves if isinstance(v, torch.Tensor)])
+    values = _plain(fx.node.map_arg(args, lambda n: n.meta.get("val")))
+    fake_mode = _fake_mode_of(graph)
     if fake_mode is not None:
         with fake_mode:
             node.meta["val"] = target(*values, **kwargs)
     if tag is not None:
         node.meta["custom"] = tag
     return node
+
+
+def _plain(value):
+    """FX's immutable containers as plain lists (ops reject ``immutable_list``)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value) if isinstance(value, tuple) else [_plain(v) for v in value]
+    return value
+
+
+def _fake_mode_of(graph: fx.Graph):
+    """The fake mode the graph's recorded values live in (from its inputs)."""
+    values = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
+    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:

@@ -1,0 +1,94 @@
+"""Hand-built FX graphs in the shape our runtime traces, for pass tests.
+
+``build_unit_graph`` makes a forward-like chain of units (each: per-parameter
+all-gather, wait, narrow; then addmm + relu) followed by a backward-like tail
+(per-parameter reduce-scatters of gradients), with fake values on every node
+and our annotations on the collective chains, as Dynamo/AOTAutograd leave them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fsdp_compile.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, emit
+from fsdp_compile.runtime import ShardLayout, collective_annotation
+
+DIM, BATCH = 6, 3
+
+
+def build_unit_graph(world_size: int, rank: int, group_name: str, n_units: int = 3, dims=(5, 6, 7)) -> tuple[fx.GraphModule, list]:
+    """Returns the graph module and the (real) input shapes, in placeholder order."""
+    graph = fx.Graph()
+    mode = FakeTensorMode()
+    input_shapes = []
+
+    def placeholder(name: str, shape) -> fx.Node:
+        node = graph.placeholder(name)
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+        input_shapes.append(tuple(shape))
+        return node
+
+    def unshard(shard: fx.Node, layout: ShardLayout, unit: str, name: str) -> fx.Node:
+        tag = collective_annotation("unshard", f"{unit}.{name}", unit, True)
+        padded = shard
+        if layout.local_rows != layout.rows_per_rank:
+            zeros = emit(graph, aten.full.default, ([layout.rows_per_rank - layout.local_rows, *layout.full_shape[1:]], 0.0), tag=tag)
+            padded = emit(graph, aten.cat.default, ([shard, zeros],), tag=tag)
+        gathered = emit(graph, ALL_GATHER, (padded, world_size, group_name), tag=tag)
+        waited = emit(graph, WAIT, (gathered,), tag=tag)
+        if layout.rows_per_rank * world_size != layout.dim0:
+            waited = emit(graph, aten.slice.Tensor, (waited, 0, 0, layout.dim0), tag=tag)
+        return waited
+
+    def reduce(grad: fx.Node, layout: ShardLayout, unit: str, name: str) -> fx.Node:
+        tag = collective_annotation("reduce_grad", f"{unit}.{name}", unit, True)
+        full_rows = layout.rows_per_rank * world_size
+        if full_rows != layout.dim0:
+            zeros = emit(graph, aten.full.default, ([full_rows - layout.dim0, *layout.full_shape[1:]], 0.0), tag=tag)
+            grad = emit(graph, aten.cat.default, ([grad, zeros],), tag=tag)
+        issued = emit(graph, REDUCE_SCATTER, (grad, "avg", world_size, group_name), tag=tag)
+        waited = emit(graph, WAIT, (issued,), tag=tag)
+        if layout.local_rows != layout.rows_per_rank:
+            waited = emit(graph, aten.slice.Tensor, (waited, 0, 0, layout.local_rows), tag=tag)
+        return waited
+
+    x = placeholder("x", (BATCH, DIM))
+    layouts, shards = [], []
+    for u in range(n_units):
+        out_dim = dims[u % len(dims)]
+        w = ShardLayout((out_dim, DIM), world_size, rank, group_name)
+        b = ShardLayout((out_dim,), world_size, rank, group_name)
+        layouts.append((w, b))
+        shards.append((placeholder(f"w{u}", w.local_shape), placeholder(f"b{u}", b.local_shape)))
+    h, outputs = x, []
+    for u, ((w, b), (w_shard, b_shard)) in enumerate(zip(layouts, shards)):
+        unit = f"layers.{u}"
+        w_full = unshard(w_shard, w, unit, "weight")
+        b_full = unshard(b_shard, b, unit, "bias")
+        wt = emit(graph, aten.t.default, (w_full,))
+        y = emit(graph, aten.addmm.default, (b_full, h, wt))
+        y = emit(graph, aten.relu.default, (y,))
+        # Back to DIM columns so units chain: y[:, :DIM] padded / cut.
+        h = emit(graph, aten.slice.Tensor, (y, 1, 0, min(DIM, y.meta["val"].shape[1])))
+        if h.meta["val"].shape[1] < DIM:
+            h = emit(graph, aten.constant_pad_nd.default, (h, [0, DIM - h.meta["val"].shape[1]]))
+        outputs.append(h)
+    # Backward-like tail: a "gradient" per parameter from the activations, then reduce.
+    for u, ((w, b), _) in reversed(list(enumerate(zip(layouts, shards)))):
+        unit = f"layers.{u}"
+        act = outputs[u]
+        gw = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (act,)), x))  # [DIM, DIM]
+        gw = emit(graph, aten.slice.Tensor, (emit(graph, aten.repeat.default, (gw, [2, 1])), 0, 0, w.dim0))
+        gb = emit(graph, aten.sum.dim_IntList, (gw, [1]))
+        outputs.append(reduce(gw, w, unit, "weight"))
+        outputs.append(reduce(gb, b, unit, "bias"))
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph), input_shapes
+
+
+def node_signature(graph: fx.Graph) -> set:
+    """Nodes and edges, independent of order (for 'moves nodes only' checks)."""
+    return {(n.name, str(n.target), tuple(str(a) for a in n.all_input_nodes)) for n in graph.nodes}
