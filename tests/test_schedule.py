@@ -94,3 +94,12 @@ def test_bucket_cap_splits_units(pool2):
     s = _schedule(pool2, bucket_mode="cap", bucket_cap_mb=1e-4)[0]
     assert len(_of(s["forward"], "all_gather")) == 2 * N_LAYERS
     assert len(_of(s["backward"], "reduce_scatter")) == 2 * N_LAYERS
+
+
+def test_auto_bucketing_keeps_ideal_volume(pool2):
+    s = _schedule(pool2, bucket_mode="auto")
+    assert _signature(s[0]["forward"]) == _signature(s[1]["forward"])
+    assert _signature(s[0]["backward"]) == _signature(s[1]["backward"])
+    layouts = s[0]["layouts"]
+    total = sum(padded * ws for padded, ws in layouts.values())
+    assert sum(c.output_numel for c in _of(s[0]["forward"], "all_gather")) == total
