@@ -19,10 +19,11 @@ Invariant kept by both passes: every member's consumers receive a tensor of
 the same shape, dtype and values as before (bitwise on 2 ranks: each element
 is reduced over the same ranks in the same order); collectives that are not
 ours, or that do not share unit, group, dtype and reduce op, are untouched;
-each bucket is issued where its last member was, so the issue sequence is a
-function of the (rank-independent) order of the original collectives: every
-rank issues the same sequence even though ranks whose shard needs padding
-have extra nodes.
+an all-gather bucket is issued where its first member was (a reduce-scatter
+bucket where its last was, once every gradient exists), so the issue
+sequence is a function of the (rank-independent) order of the original
+collectives: every rank issues the same sequence even though ranks whose
+shard needs padding have extra nodes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from fsdp_compile.passes.graph_utils import (
     Collective,
     aten,
     emit,
+    inputs_after,
+    move_before,
     our_collectives,
     stable_topological_sort,
     val,
@@ -104,11 +107,8 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
     numels = [m.input_numel for m in members]
     total = sum(numels)
     tag = _bucket_tag(bucket)
-    # At the last member's issue every member's input exists on every rank.
-    # (Inserting earlier would leave the placement to the topological sort,
-    # which depends on rank-specific padding nodes: ranks whose shard needs
-    # no padding would then issue buckets in a different order -> hang.)
-    with graph.inserting_before(members[-1].issue):
+    anchor = _all_gather_anchor(graph, members)
+    with graph.inserting_before(anchor):
         copy_in = emit(graph, ALL_GATHER_COPY_IN, ([m.input for m in members],), tag=tag)
         issue = emit(graph, ALL_GATHER, (copy_in, ws, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
@@ -123,6 +123,26 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
     for m in members:
         graph.erase_node(m.wait)
         graph.erase_node(m.issue)
+
+
+def _all_gather_anchor(graph: fx.Graph, members: list[Collective]) -> fx.Node:
+    """Where a merged all-gather goes: at its first member, as FSDP2 gathers a unit
+    when the unit's forward starts (a root unit's embedding is needed first, its
+    output projection last). Later members' input chains (the shard, padding
+    zeros) move up with it. Every rank places the bucket at the same collective,
+    whatever padding nodes it has; leaving the placement to the topological sort
+    instead would let ranks that pad issue buckets in another order (a hang).
+    If an input chain holds real compute, the bucket goes to its last member."""
+    anchor = members[0].issue
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    chains = []
+    for m in members[1:]:
+        chain = inputs_after(m.issue, anchor, order)
+        if chain is None:
+            return members[-1].issue
+        chains.extend(n for n in chain if n is not m.issue and n not in chains)
+    move_before(sorted(chains, key=order.__getitem__), anchor)
+    return anchor
 
 
 def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:

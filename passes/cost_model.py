@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from fsdp_compile._compat import c10d_functional
 from fsdp_compile.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT
 from fsdp_compile.runtime.collectives import tag_of
 
@@ -139,7 +140,7 @@ def compute_seconds(node: fx.Node, profile: HardwareProfile, notes: set) -> floa
 def collective_kind(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
-    if node.target is ALL_GATHER:
+    if node.target in (ALL_GATHER, c10d_functional.all_gather_into_tensor_out.default):
         return "all_gather"
     if node.target is REDUCE_SCATTER:
         return "reduce_scatter"

@@ -57,6 +57,17 @@ class Collective:
         return self.input_numel * val(self.input).element_size()
 
 
+def is_collective_issue(node: fx.Node) -> bool:
+    """Any functional collective that communicates (ours or not); not ``wait_tensor``."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "_c10d_functional"
+        and target is not WAIT
+    )
+
+
 def val(node: fx.Node) -> torch.Tensor:
     """The (fake) tensor a node produces, recorded by tracing in ``meta["val"]``."""
     return node.meta["val"]
@@ -165,5 +176,42 @@ def stable_topological_sort(graph: fx.Graph) -> None:
             before.append(node)
 
 
-def first_user(node: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
-    return min(node.users, key=order.__getitem__)
+# Constructors that may move with a collective's input chain (padding zeros).
+_MOVABLE_CONSTRUCTORS = {aten.full.default, aten.zeros.default, aten.new_zeros.default, aten.empty.memory_format}
+
+
+def is_movable(node: fx.Node) -> bool:
+    """Cheap, side-effect-free nodes that may run earlier with the collective they
+    feed: our own tagged nodes (padding, copy-in), views, constant constructors."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if tag_of(node) is not None:
+        return True
+    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+        return True
+    return target in _MOVABLE_CONSTRUCTORS
+
+
+def inputs_after(node: fx.Node, anchor: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node] | None:
+    """``node`` and every transitive input of it positioned at or after ``anchor``, in
+    graph order; ``None`` if one of those inputs (other than ``node``) is not movable."""
+    limit = order[anchor]
+    found, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or order[n] < limit:
+            continue
+        seen.add(n)
+        if n is not node and not is_movable(n):
+            return None
+        found.append(n)
+        stack.extend(n.all_input_nodes)
+    return sorted(found, key=order.__getitem__)
+
+
+def move_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
+    """Move ``nodes`` (in their order) to just before ``anchor``."""
+    for n in nodes:
+        if n is not anchor:
+            anchor.prepend(n)

@@ -10,7 +10,11 @@ dependencies, with Inductor's ``control_deps``:
 * the first compute node after a collective's issue runs after the issue;
 * the wait runs after the last compute node before it;
 * reduce-scatter ``k + depth`` is issued after reduce-scatter ``k``'s wait
-  (the in-flight bound).
+  (the in-flight bound);
+* every collective in the graph (ours or not) is issued after the one
+  before it. Without this, Inductor may order two independent collectives
+  differently on two ranks (its memory estimates differ where some ranks
+  pad their shards), and the ranks hang in mismatched collectives.
 
 Invariant: values are unchanged (``control_deps`` only adds ordering edges);
 every added edge points forward in the current (valid) order, so no cycle.
@@ -23,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile._compat import preserve_node_ordering
-from fsdp_compile.passes.graph_utils import our_collectives
+from fsdp_compile.passes.graph_utils import is_collective_issue, our_collectives
 from fsdp_compile.runtime.collectives import tag_of
 
 
@@ -59,6 +63,9 @@ def schedule_constraints(graph: fx.Graph, reduce_scatter_depth: int = 1) -> dict
     reduce_scatters = our_collectives(graph, "reduce_scatter")
     for k in range(len(reduce_scatters) - reduce_scatter_depth):
         add(reduce_scatters[k + reduce_scatter_depth].issue, reduce_scatters[k].wait)
+    issues = [n for n in nodes if is_collective_issue(n)]
+    for earlier, later in zip(issues, issues[1:]):
+        add(later, earlier)
     return deps
 
 

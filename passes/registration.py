@@ -65,7 +65,8 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
             reduce_scatter_depth=config.reduce_scatter_depth,
             max_inflight_bytes=config.max_inflight_bytes,
         )
-        pin_schedule(graph, config.reduce_scatter_depth)
+    # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
+    pin_schedule(graph, config.reduce_scatter_depth)
 
 
 class _ChainedJointPass:

@@ -27,18 +27,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fsdp_compile.passes.graph_utils import Collective, our_collectives, stable_topological_sort
+from fsdp_compile.passes.graph_utils import (
+    Collective,
+    inputs_after,
+    move_before,
+    our_collectives,
+    stable_topological_sort,
+)
 from fsdp_compile.runtime.collectives import tag_of
-
-# Nodes that may be moved earlier along with a collective's issue: they only
-# reshape, pad or copy the collective's input and cost nothing to run early.
-_MOVABLE_CONSTRUCTORS = {
-    torch.ops.aten.full.default,
-    torch.ops.aten.zeros.default,
-    torch.ops.aten.new_zeros.default,
-    torch.ops.aten.empty.memory_format,
-}
-
 
 def tail_of(c: Collective) -> list[fx.Node]:
     """The wait and the copy-out chain traced with it (same role), in graph order."""
@@ -59,12 +55,6 @@ def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def _move_before(nodes: list[fx.Node], target: fx.Node) -> None:
-    for node in nodes:
-        if node is not target:
-            target.prepend(node)
-
-
 def sink_tail(c: Collective) -> None:
     """Move the wait and its copy-out to just before the first outside use of the result."""
     tail = tail_of(c)
@@ -72,37 +62,13 @@ def sink_tail(c: Collective) -> None:
     order = _positions(c.issue.graph)
     outside_users = [u for n in tail for u in n.users if u not in members]
     if outside_users:
-        _move_before(tail, min(outside_users, key=order.__getitem__))
-
-
-def _is_movable(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if tag_of(node) is not None:
-        return True
-    if isinstance(target, torch._ops.OpOverload) and target.is_view:
-        return True
-    return target in _MOVABLE_CONSTRUCTORS
+        move_before(tail, min(outside_users, key=order.__getitem__))
 
 
 def head_of(c: Collective, before: fx.Node) -> list[fx.Node] | None:
     """The issue and every input it needs that sits after ``before``, or ``None`` if one
     of those is real compute (the issue then cannot move above ``before``)."""
-    order = _positions(c.issue.graph)
-    limit = order[before]
-    head, stack = [], [c.issue]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node in seen or order[node] < limit:
-            continue
-        seen.add(node)
-        if node is not c.issue and not _is_movable(node):
-            return None
-        head.append(node)
-        stack.extend(node.all_input_nodes)
-    return sorted(head, key=order.__getitem__)
+    return inputs_after(c.issue, before, _positions(c.issue.graph))
 
 
 def prefetch_all_gathers(
@@ -124,7 +90,7 @@ def prefetch_all_gathers(
         target = anchor if j < 0 else all_gathers[j].wait
         head = head_of(c, target)
         if head is not None:
-            _move_before(head, target)
+            move_before(head, target)
 
 
 def bound_reduce_scatters(reduce_scatters: list[Collective], depth: int) -> None:
@@ -136,7 +102,7 @@ def bound_reduce_scatters(reduce_scatters: list[Collective], depth: int) -> None
         order = _positions(c.issue.graph)
         tail = tail_of(c)
         if order[tail[0]] > order[later_issue]:
-            _move_before(tail, later_issue)
+            move_before(tail, later_issue)
 
 
 def reorder_for_overlap(

@@ -196,6 +196,9 @@ def test_pinning_constraints_follow_the_schedule():
     for c in our_collectives(gm.graph):
         if c.wait in deps:
             assert all(pos[c.issue] < pos[b] for b in deps[c.wait])
+    issues = [c.issue for c in sorted(our_collectives(gm.graph), key=lambda c: pos[c.issue])]
+    for earlier, later in zip(issues, issues[1:]):
+        assert earlier in deps[later], "collective issue order is not pinned"
 
 
 def test_passes_keep_results_bitwise_on_two_ranks(pool2):

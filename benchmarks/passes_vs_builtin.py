@@ -1,0 +1,125 @@
+"""Our passes vs Inductor's built-in FX bucketing, on the same captured graphs (modelled).
+
+    python -m benchmarks.passes_vs_builtin [--world-size 8] [--layers 4] [--dim 512]
+
+Compiles a Llama-style model sharded with ``fully_shard`` (one unit per
+decoder layer) on the ``fake`` process group, captures Inductor's post-grad
+forward and backward graphs before our passes, and applies to copies:
+
+* ``traced``: nothing (one collective per parameter, each waited at once);
+* ``inductor built-in``: ``bucket_all_gather`` + ``bucket_reduce_scatter``
+  (``torch/_inductor/fx_passes/bucketing.py``, default size caps); Inductor's
+  overlap scheduler is left out because it needs a GPU roofline;
+* ``ours: bucketing``: one bucket per unit and dtype;
+* ``ours: bucketing + reordering``: plus prefetch and late waits.
+
+Every variant is simulated with our cost model on each hardware profile.
+The numbers are modelled, not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
+    import torch
+    import torch._inductor.config as inductor_config
+    import torch.distributed as dist
+    import torch.fx as fx
+    import torch.nn.functional as F
+
+    from fsdp_compile import config, fully_shard
+    from fsdp_compile._compat import register_fake_process_group
+    from fsdp_compile.passes.cost_model import _copy_graph
+    from fsdp_compile.testing.models import Llama, LlamaConfig
+
+    register_fake_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+    cfg = LlamaConfig(vocab_size=2048, dim=dim, n_layers=layers, n_heads=8, ffn_dim=dim * 8 // 3, max_seq_len=seq)
+    model = Llama(cfg)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    captured: list[fx.GraphModule] = []
+
+    def spy(graph: fx.Graph) -> None:
+        captured.append(fx.GraphModule(torch.nn.Module(), _copy_graph(graph)))
+
+    previous = inductor_config.post_grad_custom_post_pass
+    inductor_config.post_grad_custom_post_pass = [spy, *previous]
+    try:
+        with config.patch(bucketing=False, reorder=False):
+            tokens = torch.randint(0, cfg.vocab_size, (2, seq + 1))
+            logits = torch.compile(model)(tokens[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    finally:
+        inductor_config.post_grad_custom_post_pass = previous
+    return captured
+
+
+def _variants(gm):
+    import copy
+
+    import torch.fx as fx
+
+    from fsdp_compile.passes.bucketing import bucket_collectives
+    from fsdp_compile.passes.cost_model import _copy_graph
+    from fsdp_compile.passes.reordering import reorder_for_overlap
+
+    def fresh():
+        return fx.GraphModule(gm, _copy_graph(gm.graph))
+
+    traced = fresh()
+    builtin = fresh()
+    from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
+
+    bucket_all_gather(builtin)
+    bucket_reduce_scatter(builtin)
+    ours_bucketed = fresh()
+    bucket_collectives(ours_bucketed.graph)
+    ours = copy.copy(fresh())
+    bucket_collectives(ours.graph)
+    reorder_for_overlap(ours.graph)
+    return {
+        "traced": traced,
+        "inductor built-in bucketing": builtin,
+        "ours: bucketing": ours_bucketed,
+        "ours: bucketing + reordering": ours,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--seq", type=int, default=256)
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from fsdp_compile.passes.cost_model import PROFILES, collective_kind, simulate
+
+    graphs = _capture_graphs(args.world_size, args.layers, args.dim, args.seq)
+    print(
+        f"\nLlama-style, {args.layers} layers, dim {args.dim}, seq {args.seq}, batch 2, world size "
+        f"{args.world_size} (fake process group). Modelled with fsdp_compile's cost model, not measured.\n"
+    )
+    for profile in PROFILES:
+        print(f"### {profile}\n")
+        print("| graph | variant | collectives | step (ms) | communication (ms) | exposed (ms) | overlap | peak (MiB) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, gm in zip(("forward", "backward"), graphs):
+            for variant, g in _variants(gm).items():
+                sim = simulate(g.graph, profile)
+                n_coll = sum(1 for n in g.graph.nodes if collective_kind(n) in ("all_gather", "reduce_scatter"))
+                print(
+                    f"| {name} | {variant} | {n_coll} | {sim.step_s * 1e3:.2f} | {sim.communication_s * 1e3:.2f} "
+                    f"| {sim.exposed_s * 1e3:.2f} | {sim.overlap_fraction:.0%} | {sim.peak_bytes / 2**20:.1f} |"
+                )
+        print()
+
+
+if __name__ == "__main__":
+    main()
