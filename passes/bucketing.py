@@ -8,11 +8,13 @@ Copies (one pass over the bytes each way, as FSDP2's copy-in/copy-out):
 
 * all-gather: copy-in (``fsdp_compile::all_gather_copy_in``, an opaque op so
   Inductor cannot fuse it into unrelated compute and delay the collective)
-  concatenates the members' local shards into one flat buffer (``local bytes``); copy-out takes each member's column block of the
+  writes the members' local shards, zero-padded, into one flat buffer
+  (``local bytes``; the runtime's per-parameter padding ``cat`` is folded in); copy-out takes each member's column block of the
   ``[world_size, total]`` result into its own contiguous tensor (``gathered
   bytes``), since each member's rows are spread over every rank's block.
-* reduce-scatter: copy-in lays each member's ``[world_size, numel]`` gradient
-  side by side into ``[world_size, total]`` (``gathered bytes``); copy-out is
+* reduce-scatter: copy-in lays each member's (zero-padded) gradient, viewed as
+  ``[world_size, numel / world_size]``, side by side into ``[world_size, total]``
+  (``gathered bytes``, padding folded in as well); copy-out is
   free: each member's shard is a contiguous slice of the reduced buffer.
 
 Invariant kept by both passes: every member's consumers receive a tensor of
@@ -34,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile.runtime import bucket_copies  # noqa: F401  (registers the copy-in ops)
-from fsdp_compile.runtime.collectives import ANNOTATION_KEY
+from fsdp_compile.runtime.collectives import ANNOTATION_KEY, tag_of
 from fsdp_compile.passes.graph_utils import (
     ALL_GATHER,
     REDUCE_SCATTER,
@@ -94,6 +96,18 @@ def plan_buckets(collectives: list[Collective], cap_bytes: int | None = None) ->
     return buckets
 
 
+def _unpadded_source(c: Collective) -> fx.Node:
+    """The collective's input before the runtime's zero padding, when the input is
+    ``cat([x, zeros])`` traced by our runtime (the copy-in then pads in the same pass)."""
+    node = c.input
+    if node.op == "call_function" and node.target is aten.cat.default and tag_of(node) is not None:
+        pieces = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else 0
+        if dim == 0 and len(pieces) == 2 and pieces[1].target in (aten.full.default, aten.zeros.default, aten.new_zeros.default):
+            return pieces[0]
+    return node
+
+
 def _bucket_tag(bucket: Bucket) -> dict:
     first = dict(bucket.members[0].tag)
     first["param_fqn"] = ",".join(m.tag["param_fqn"] for m in bucket.members)
@@ -109,7 +123,8 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
     tag = _bucket_tag(bucket)
     anchor = _all_gather_anchor(graph, members)
     with graph.inserting_before(anchor):
-        copy_in = emit(graph, ALL_GATHER_COPY_IN, ([m.input for m in members],), tag=tag)
+        sources = [_unpadded_source(m) for m in members]
+        copy_in = emit(graph, ALL_GATHER_COPY_IN, (sources, numels), tag=tag)
         issue = emit(graph, ALL_GATHER, (copy_in, ws, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
         grid = emit(graph, aten.view.default, (wait, [ws, total]), tag=tag)
@@ -120,9 +135,29 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
             copy_out = emit(graph, aten.clone.default, (block,), {"memory_format": torch.contiguous_format}, tag=tag)
             full = emit(graph, aten.view.default, (copy_out, list(val(m.wait).shape)), tag=tag)
             m.wait.replace_all_uses_with(full)
+    _erase_members(graph, members)
+
+
+def _erase_members(graph: fx.Graph, members: list[Collective]) -> None:
+    """Remove the replaced collectives, and their padding nodes once unused."""
     for m in members:
+        source = m.input
         graph.erase_node(m.wait)
         graph.erase_node(m.issue)
+        _erase_if_unused(graph, source)
+
+
+def _erase_if_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and, transitively, its inputs, while they are unused padding
+    (our tagged nodes or zero constructors); never anything else."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        is_padding = tag_of(n) is not None or n.target in (aten.full.default, aten.zeros.default)
+        if n.op == "call_function" and not n.users and is_padding:
+            inputs = n.all_input_nodes
+            graph.erase_node(n)
+            stack.extend(inputs)
 
 
 def _all_gather_anchor(graph: fx.Graph, members: list[Collective]) -> fx.Node:
@@ -151,7 +186,9 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
     shard_numels = [m.input_numel // ws for m in members]
     tag = _bucket_tag(bucket)
     with graph.inserting_before(members[-1].issue):
-        copy_in = emit(graph, REDUCE_SCATTER_COPY_IN, ([m.input for m in members], ws), tag=tag)
+        sources = [_unpadded_source(m) for m in members]
+        padded = [m.input_numel for m in members]
+        copy_in = emit(graph, REDUCE_SCATTER_COPY_IN, (sources, padded, ws), tag=tag)
         issue = emit(graph, REDUCE_SCATTER, (copy_in, op, ws, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
         offset = 0
@@ -160,9 +197,7 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
             offset += numel
             shard = emit(graph, aten.view.default, (piece, list(val(m.wait).shape)), tag=tag)
             m.wait.replace_all_uses_with(shard)
-    for m in members:
-        graph.erase_node(m.wait)
-        graph.erase_node(m.issue)
+    _erase_members(graph, members)
 
 
 def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:

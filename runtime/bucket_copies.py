@@ -6,7 +6,9 @@ into the *previous* unit's activation kernel, which delayed the prefetched
 all-gather until after the compute it was meant to overlap. An opaque op is
 an extern kernel that Inductor schedules where the graph puts it.
 
-Each is one pass over the bytes (see ``fsdp_compile.passes.bucketing``).
+Each writes every byte once, zero padding of uneven shards included (the
+traced per-parameter padding ``cat`` is folded in; see
+``fsdp_compile.passes.bucketing``).
 """
 
 from __future__ import annotations
@@ -15,23 +17,45 @@ import torch
 
 
 @torch.library.custom_op("fsdp_compile::all_gather_copy_in", mutates_args=())
-def all_gather_copy_in(shards: list[torch.Tensor]) -> torch.Tensor:
-    """Flat concatenation of the members' local shards (the all-gather input)."""
-    return torch.cat([s.reshape(-1) for s in shards])
+def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int]) -> torch.Tensor:
+    """The all-gather input: each member's local shard, zero-padded to its padded
+    size, back to back. One write per byte (the padding folded in)."""
+    out = shards[0].new_empty(sum(padded_numels))
+    offset = 0
+    for shard, padded in zip(shards, padded_numels):
+        n = shard.numel()
+        out[offset : offset + n].copy_(shard.reshape(-1))
+        out[offset + n : offset + padded].zero_()
+        offset += padded
+    return out
 
 
 @all_gather_copy_in.register_fake
-def _(shards):
-    return shards[0].new_empty(sum(s.numel() for s in shards))
+def _(shards, padded_numels):
+    return shards[0].new_empty(sum(padded_numels))
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_copy_in", mutates_args=())
-def reduce_scatter_copy_in(grads: list[torch.Tensor], world_size: int) -> torch.Tensor:
-    """The members' full gradients laid out so rank ``r``'s shards are contiguous:
-    ``[world_size, sum(numel_i / world_size)]``, flattened."""
-    return torch.cat([g.reshape(world_size, -1) for g in grads], dim=1).reshape(-1)
+def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], world_size: int) -> torch.Tensor:
+    """The reduce-scatter input: ``[world_size, sum(padded_i / world_size)]`` flattened,
+    where member ``i``'s columns hold its full gradient zero-padded to ``padded_i``
+    elements (so rank ``r``'s shards of every member are contiguous). One write per byte."""
+    widths = [p // world_size for p in padded_numels]
+    out = grads[0].new_empty(world_size, sum(widths))
+    offset = 0
+    for grad, width in zip(grads, widths):
+        flat = grad.reshape(-1)
+        block = out[:, offset : offset + width]
+        full_rows, rest = divmod(flat.numel(), width)
+        block[:full_rows].copy_(flat[: full_rows * width].view(full_rows, width))
+        if full_rows < world_size:
+            block[full_rows, :rest].copy_(flat[full_rows * width :])
+            block[full_rows, rest:].zero_()
+            block[full_rows + 1 :].zero_()
+        offset += width
+    return out.reshape(-1)
 
 
 @reduce_scatter_copy_in.register_fake
-def _(grads, world_size):
-    return grads[0].new_empty(sum(g.numel() for g in grads))
+def _(grads, padded_numels, world_size):
+    return grads[0].new_empty(sum(padded_numels))

@@ -18,16 +18,18 @@ from fsdp_compile.runtime import ShardLayout, collective_annotation
 DIM, BATCH = 6, 3
 
 
-def build_unit_graph(world_size: int, rank: int, group_name: str, n_units: int = 3, dims=(5, 6, 7)) -> tuple[fx.GraphModule, list]:
+def build_unit_graph(
+    world_size: int, rank: int, group_name: str, n_units: int = 3, dims=(5, 6, 7), bias_dtype=torch.float32
+) -> tuple[fx.GraphModule, list]:
     """Returns the graph module and the (real) input shapes, in placeholder order."""
     graph = fx.Graph()
     mode = FakeTensorMode()
     input_shapes = []
 
-    def placeholder(name: str, shape) -> fx.Node:
+    def placeholder(name: str, shape, dtype=torch.float32) -> fx.Node:
         node = graph.placeholder(name)
         with mode:
-            node.meta["val"] = torch.empty(shape)
+            node.meta["val"] = torch.empty(shape, dtype=dtype)
         input_shapes.append(tuple(shape))
         return node
 
@@ -35,7 +37,13 @@ def build_unit_graph(world_size: int, rank: int, group_name: str, n_units: int =
         tag = collective_annotation("unshard", f"{unit}.{name}", unit, True)
         padded = shard
         if layout.local_rows != layout.rows_per_rank:
-            zeros = emit(graph, aten.full.default, ([layout.rows_per_rank - layout.local_rows, *layout.full_shape[1:]], 0.0), tag=tag)
+            zeros = emit(
+                graph,
+                aten.full.default,
+                ([layout.rows_per_rank - layout.local_rows, *layout.full_shape[1:]], 0.0),
+                {"dtype": shard.meta["val"].dtype},
+                tag=tag,
+            )
             padded = emit(graph, aten.cat.default, ([shard, zeros],), tag=tag)
         gathered = emit(graph, ALL_GATHER, (padded, world_size, group_name), tag=tag)
         waited = emit(graph, WAIT, (gathered,), tag=tag)
@@ -47,7 +55,13 @@ def build_unit_graph(world_size: int, rank: int, group_name: str, n_units: int =
         tag = collective_annotation("reduce_grad", f"{unit}.{name}", unit, True)
         full_rows = layout.rows_per_rank * world_size
         if full_rows != layout.dim0:
-            zeros = emit(graph, aten.full.default, ([full_rows - layout.dim0, *layout.full_shape[1:]], 0.0), tag=tag)
+            zeros = emit(
+                graph,
+                aten.full.default,
+                ([full_rows - layout.dim0, *layout.full_shape[1:]], 0.0),
+                {"dtype": grad.meta["val"].dtype},
+                tag=tag,
+            )
             grad = emit(graph, aten.cat.default, ([grad, zeros],), tag=tag)
         issued = emit(graph, REDUCE_SCATTER, (grad, "avg", world_size, group_name), tag=tag)
         waited = emit(graph, WAIT, (issued,), tag=tag)
@@ -62,12 +76,14 @@ def build_unit_graph(world_size: int, rank: int, group_name: str, n_units: int =
         w = ShardLayout((out_dim, DIM), world_size, rank, group_name)
         b = ShardLayout((out_dim,), world_size, rank, group_name)
         layouts.append((w, b))
-        shards.append((placeholder(f"w{u}", w.local_shape), placeholder(f"b{u}", b.local_shape)))
+        shards.append((placeholder(f"w{u}", w.local_shape), placeholder(f"b{u}", b.local_shape, bias_dtype)))
     h, outputs = x, []
     for u, ((w, b), (w_shard, b_shard)) in enumerate(zip(layouts, shards)):
         unit = f"layers.{u}"
         w_full = unshard(w_shard, w, unit, "weight")
         b_full = unshard(b_shard, b, unit, "bias")
+        if bias_dtype != torch.float32:
+            b_full = emit(graph, aten._to_copy.default, (b_full,), {"dtype": torch.float32})
         wt = emit(graph, aten.t.default, (w_full,))
         y = emit(graph, aten.addmm.default, (b_full, h, wt))
         y = emit(graph, aten.relu.default, (y,))
@@ -83,6 +99,8 @@ def build_unit_graph(world_size: int, rank: int, group_name: str, n_units: int =
         gw = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (act,)), x))  # [DIM, DIM]
         gw = emit(graph, aten.slice.Tensor, (emit(graph, aten.repeat.default, (gw, [2, 1])), 0, 0, w.dim0))
         gb = emit(graph, aten.sum.dim_IntList, (gw, [1]))
+        if bias_dtype != torch.float32:
+            gb = emit(graph, aten._to_copy.default, (gb,), {"dtype": bias_dtype})
         outputs.append(reduce(gw, w, unit, "weight"))
         outputs.append(reduce(gb, b, unit, "bias"))
     graph.output(tuple(outputs))

@@ -132,6 +132,27 @@ def test_bucketing_one_collective_per_unit_and_kind(rank):
     ]
 
 
+def test_padding_is_folded_into_the_copy_in():
+    """Rank 1's uneven shards are padded by the runtime (cat with zeros); after bucketing
+    the copy-in pads in its single pass and the padding nodes are gone."""
+    gm, _ = build_unit_graph(2, 1, "0", N_UNITS)
+    cats = lambda: [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default]  # noqa: E731
+    assert cats()
+    bucket_collectives(gm.graph)
+    assert cats() == []
+    for c in our_collectives(gm.graph):
+        assert all(src.op == "placeholder" or c.kind == "reduce_scatter" for src in c.input.args[0])
+
+
+def test_mixed_dtypes_get_separate_buckets():
+    gm, _ = build_unit_graph(2, 0, "0", N_UNITS, bias_dtype=torch.float64)
+    buckets = bucket_collectives(gm.graph)
+    assert len(buckets) == 4 * N_UNITS  # per unit: {fp32, fp64} x {all-gather, reduce-scatter}
+    for b in buckets:
+        assert len({m.dtype for m in b.members}) == 1
+    gm.graph.lint()
+
+
 def test_bucket_cap():
     gm, _ = build_unit_graph(2, 0, "0", N_UNITS)
     collectives = our_collectives(gm.graph)
@@ -201,8 +222,9 @@ def test_pinning_constraints_follow_the_schedule():
         assert earlier in deps[later], "collective issue order is not pinned"
 
 
-def test_passes_keep_results_bitwise_on_two_ranks(pool2):
-    for rank, results in enumerate(pool2.run(pass_jobs.outputs_before_and_after_passes)):
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float64])
+def test_passes_keep_results_bitwise_on_two_ranks(pool2, bias_dtype):
+    for rank, results in enumerate(pool2.run(pass_jobs.outputs_before_and_after_passes, bias_dtype)):
         for stage in ("bucketed", "reordered", "pinned"):
             assert len(results[stage]) == len(results["original"])
             for i, (a, b) in enumerate(zip(results["original"], results[stage])):
