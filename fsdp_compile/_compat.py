@@ -61,6 +61,12 @@ def preserve_node_ordering(graph, additional_deps: dict) -> None:
     _preserve(graph, {node: OrderedSet(deps) for node, deps in additional_deps.items()})
 
 
+def mark_side_effectful(op) -> None:
+    """torch/fx/node.py: keep ``op`` through FX's and Inductor's dead-code elimination
+    (Inductor's FallbackKernel asks ``torch._library.utils.is_impure``, which reads this set)."""
+    torch.fx.node.has_side_effect(op)
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -100,4 +106,5 @@ __all__ = [
     "get_post_grad_custom_post_pass",
     "set_post_grad_custom_post_pass",
     "preserve_node_ordering",
+    "mark_side_effectful",
 ]

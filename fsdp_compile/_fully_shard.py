@@ -12,7 +12,6 @@ registered sharded ``nn.Parameter(DTensor)``; inside one it returns
 
 from __future__ import annotations
 
-import json
 from typing import Iterable
 
 import torch
@@ -23,6 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, forward_context
+from fsdp_compile.runtime.process_groups import all_gather_json
 
 # Set on an original (unsharded) nn.Parameter once it is sharded, so that a
 # module still holding the original object (a tied weight in another unit)
@@ -272,7 +272,10 @@ def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> N
     """Every rank must shard the same names, shapes and dtypes (two small all-gathers)."""
     mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn, _ in owned]
     group = mesh.get_group()
-    everyone = _all_gather_json(mine, group, _collective_device(mesh))
+    everyone = [
+        [(fqn, tuple(shape), dtype) for fqn, shape, dtype in theirs]
+        for theirs in all_gather_json(mine, group, _collective_device(mesh))
+    ]
     rank = dist.get_rank(group)
     for other_rank, theirs in enumerate(everyone):
         if theirs == mine:
@@ -292,21 +295,6 @@ def _collective_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-
-
-def _all_gather_json(value, group, device: torch.device) -> list:
-    """Every rank's ``value`` (JSON-able), with two small collectives and no pickling."""
-    payload = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
-    world_size = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], device=device), group=group)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    gathered = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded, group=group)
-    decoded = [bytes(g[: int(n.item())].tolist()).decode() for g, n in zip(gathered, sizes)]
-    return [[(fqn, tuple(shape), dtype) for fqn, shape, dtype in json.loads(d)] for d in decoded]
 
 
 def _describe(entry) -> str:

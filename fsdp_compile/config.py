@@ -51,6 +51,10 @@ reduce_scatter_depth: int = 1
 #: issued later instead.
 max_inflight_bytes: int | None = None
 
+#: The first time each compiled graph runs, ranks compare their collective
+#: sequences and raise (all of them) on a difference instead of hanging.
+check_collective_consistency: bool = True
+
 #: Hardware profile the cost model uses for ``bucket_mode="auto"`` and reports
 #: (see ``fsdp_compile.passes.cost_model.PROFILES``).
 hardware_profile: str = "cpu-gloo"
@@ -64,6 +68,7 @@ _FIELDS = (
     "prefetch_depth",
     "reduce_scatter_depth",
     "max_inflight_bytes",
+    "check_collective_consistency",
     "hardware_profile",
 )
 _BUCKET_MODES = ("unit", "cap", "auto")

@@ -42,7 +42,9 @@ def _is_compute(node: fx.Node) -> bool:
     return any(isinstance(i.meta.get("val"), torch.Tensor) for i in node.all_input_nodes)
 
 
-def schedule_constraints(graph: fx.Graph, reduce_scatter_depth: int = 1) -> dict[fx.Node, list[fx.Node]]:
+def schedule_constraints(
+    graph: fx.Graph, reduce_scatter_depth: int = 1, first: fx.Node | None = None
+) -> dict[fx.Node, list[fx.Node]]:
     """Dependent node -> nodes it must run after, to keep the current overlap."""
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -66,11 +68,14 @@ def schedule_constraints(graph: fx.Graph, reduce_scatter_depth: int = 1) -> dict
     issues = [n for n in nodes if is_collective_issue(n)]
     for earlier, later in zip(issues, issues[1:]):
         add(later, earlier)
+    if first is not None and issues:
+        add(issues[0], first)  # e.g. the consistency check runs before any collective
     return deps
 
 
-def pin_schedule(graph: fx.Graph, reduce_scatter_depth: int = 1) -> None:
-    """Add the :func:`schedule_constraints` edges to ``graph``."""
-    deps = schedule_constraints(graph, reduce_scatter_depth)
+def pin_schedule(graph: fx.Graph, reduce_scatter_depth: int = 1, first: fx.Node | None = None) -> None:
+    """Add the :func:`schedule_constraints` edges to ``graph``; ``first`` (if given)
+    runs before every collective."""
+    deps = schedule_constraints(graph, reduce_scatter_depth, first)
     if deps:
         preserve_node_ordering(graph, deps)

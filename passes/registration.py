@@ -30,6 +30,7 @@ from fsdp_compile._compat import (
     set_post_grad_custom_post_pass,
 )
 from fsdp_compile.passes.bucketing import bucket_collectives
+from fsdp_compile.passes.consistency import insert_consistency_check
 from fsdp_compile.passes.graph_utils import our_collectives
 from fsdp_compile.passes.pinning import pin_schedule
 from fsdp_compile.passes.reordering import reorder_for_overlap
@@ -46,7 +47,8 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
 
 
 def fsdp_post_grad_pass(graph: fx.Graph) -> None:
-    """Our post-grad passes, in order: bucketing, reordering, pinning the order."""
+    """Our post-grad passes, in order: bucketing, reordering, the cross-rank check,
+    pinning the order."""
     if not our_collectives(graph):
         return
     config.validate()
@@ -65,8 +67,9 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
             reduce_scatter_depth=config.reduce_scatter_depth,
             max_inflight_bytes=config.max_inflight_bytes,
         )
+    check = insert_consistency_check(graph) if config.check_collective_consistency else None
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
-    pin_schedule(graph, config.reduce_scatter_depth)
+    pin_schedule(graph, config.reduce_scatter_depth, first=check)
 
 
 class _ChainedJointPass:

@@ -1,0 +1,69 @@
+"""Cross-rank consistency: fail fast, on every rank, instead of hanging.
+
+If two ranks compile graphs whose collective sequences differ (a
+rank-dependent branch in the model, a pass deciding differently), they block
+forever in mismatched collectives. This pass bakes a fingerprint of the
+graph's collective sequence (op, group, reduce op, input shapes and dtypes,
+in order) into a ``fsdp_compile::check_collective_sequence`` call at the top
+of the graph, ordered before the first collective. The first time the graph
+runs, ranks compare fingerprints over a separate gloo group and, on any
+difference, every rank raises an error naming the first differing collective
+and both ranks' versions.
+
+Cost: two small all-gathers the first time each distinct graph runs.
+Limit: a rank that runs a graph its peers never run waits for them until
+``fsdp_compile.runtime.consistency.timeout_s`` and then raises alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile.passes.graph_utils import is_collective_issue
+from fsdp_compile.runtime import consistency  # noqa: F401  (registers the op)
+
+CHECK = torch.ops.fsdp_compile.check_collective_sequence.default
+
+
+def collective_fingerprint(graph: fx.Graph) -> list[list[str]]:
+    """One entry per communicating collective, in graph order: op, group, reduce op, inputs."""
+    entries = []
+    for node in graph.nodes:
+        if not is_collective_issue(node):
+            continue
+        strings = [a for a in node.args if isinstance(a, str)]
+        group = strings[-1] if strings else "?"
+        reduce_op = strings[0] if len(strings) > 1 else ""
+        first = node.args[0]
+        values = first if isinstance(first, (list, tuple)) else [first]
+        shapes = []
+        for v in values:
+            val = v.meta.get("val") if isinstance(v, fx.Node) else None
+            if isinstance(val, torch.Tensor):
+                shapes.append(f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}")
+        entries.append([node.target._opname, group, reduce_op, ",".join(shapes)])
+    return entries
+
+
+def graph_name(graph: fx.Graph) -> str:
+    placeholders = [n.name for n in graph.find_nodes(op="placeholder")]
+    return "backward graph" if any(p.startswith("tangents") for p in placeholders) else "forward graph"
+
+
+def insert_consistency_check(graph: fx.Graph) -> fx.Node | None:
+    """Add the check at the top of ``graph``; returns it (``None`` without collectives).
+
+    Invariant: results unchanged (the op returns an unused empty tensor); the
+    caller orders the first collective after it.
+    """
+    fingerprint = collective_fingerprint(graph)
+    if not fingerprint:
+        return None
+    anchor = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(anchor):
+        node = graph.call_function(CHECK, (graph_name(graph), json.dumps(fingerprint)))
+    node.meta["val"] = torch.empty(0)
+    return node

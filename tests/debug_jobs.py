@@ -1,0 +1,41 @@
+"""Rank-side functions for the debugging tests."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class RankDependent(nn.Module):
+    """Rank 0 runs an extra sharded layer: its graph has more collectives."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.extra = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        if dist.get_rank() == 0:
+            x = self.extra(x)
+        return self.b(x)
+
+
+def run_rank_dependent_graph(backend: str = "inductor") -> tuple[str, float]:
+    from fsdp_compile import fully_shard
+
+    torch.manual_seed(0)
+    model = RankDependent()
+    for m in (model.a, model.extra, model.b, model):
+        fully_shard(m)
+    compiled = torch.compile(model, backend=backend)
+    start = time.perf_counter()
+    try:
+        compiled(torch.randn(2, 4)).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return str(e), time.perf_counter() - start
+    return "no error", time.perf_counter() - start
