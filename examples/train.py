@@ -2,6 +2,7 @@
 
     python examples/train.py                 # starts 2 CPU ranks itself (gloo)
     torchrun --nproc-per-node 8 examples/train.py --dim 1024 --layers 16   # GPUs: NCCL
+    python examples/train.py --steps 3 --dump dump/  # every compile stage + collectives report
 
 Each decoder layer is one sharding unit and the root holds the embeddings,
 final norm and (tied) output projection, as with FSDP2. Synthetic tokens that follow a fixed rule (so the loss falls);
@@ -35,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor", help="inductor | aot_eager | eager (no compile)")
     p.add_argument("--world-size", type=int, default=2, help="CPU ranks to start when not under torchrun")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", metavar="DIR", help="write every compile stage and a collectives report (fsdp_compile.debug.dump)")
     return p.parse_args(argv)
 
 
@@ -48,6 +50,15 @@ def synthetic_tokens(batch: int, length: int, vocab: int, generator: torch.Gener
 
 
 def train(args: argparse.Namespace) -> list[float]:
+    if args.dump:
+        import fsdp_compile.debug
+
+        with fsdp_compile.debug.dump(args.dump):
+            return _train(args)
+    return _train(args)
+
+
+def _train(args: argparse.Namespace) -> list[float]:
     from fsdp_compile import fully_shard
     from fsdp_compile.testing.models import Llama, LlamaConfig
 

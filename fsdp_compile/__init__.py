@@ -7,11 +7,15 @@ can schedule. The API mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2).
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_compile import debug
+from fsdp_compile._compat import register_torch_log
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fully_shard import FSDPModule, fully_shard
 from fsdp_compile.passes.registration import install_passes
 
 install_passes()
+register_torch_log("fsdp_compile", "fsdp_compile")
+debug._dump_from_environment()
 
 __all__ = [
     "fully_shard",

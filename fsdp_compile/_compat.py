@@ -6,6 +6,7 @@ Each name is listed with the torch file it comes from (torch 2.13).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -67,6 +68,37 @@ def mark_side_effectful(op) -> None:
     torch.fx.node.has_side_effect(op)
 
 
+@contextlib.contextmanager
+def output_code_hook(fn):
+    """torch/_inductor/graph.py: ``GraphLowering.save_output_code`` receives each
+    generated wrapper module's source; chain ``fn`` with any hook already set."""
+    from torch._inductor.graph import GraphLowering
+
+    previous = GraphLowering.save_output_code
+
+    def both(code: str) -> None:
+        fn(code)
+        if previous is not None:
+            previous(code)
+
+    GraphLowering.save_output_code = staticmethod(both)
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = previous
+
+
+def register_torch_log(alias: str, logger_name: str) -> None:
+    """torch/_logging/_internal.py: make ``TORCH_LOGS="+alias"`` control ``logger_name``."""
+    import os
+
+    from torch._logging import _internal
+
+    _internal.register_log(alias, logger_name)
+    if alias in os.environ.get("TORCH_LOGS", ""):
+        _internal._init_logs()  # TORCH_LOGS was parsed before the alias existed
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -107,4 +139,6 @@ __all__ = [
     "set_post_grad_custom_post_pass",
     "preserve_node_ordering",
     "mark_side_effectful",
+    "output_code_hook",
+    "register_torch_log",
 ]

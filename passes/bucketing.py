@@ -30,6 +30,7 @@ shard needs padding have extra nodes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,8 @@ from fsdp_compile.passes.graph_utils import (
     stable_topological_sort,
     val,
 )
+
+log = logging.getLogger("fsdp_compile.passes.bucketing")
 
 ALL_GATHER_COPY_IN = torch.ops.fsdp_compile.all_gather_copy_in.default
 REDUCE_SCATTER_COPY_IN = torch.ops.fsdp_compile.reduce_scatter_copy_in.default
@@ -203,6 +206,16 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
 def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:
     """Rewrite ``graph`` so each multi-member bucket is one collective (see module docstring)."""
     for bucket in buckets:
+        first = bucket.members[0]
+        log.debug(
+            "%s bucket for unit %r: %d collective(s) -> 1, %s, %d bytes per rank: %s",
+            bucket.kind,
+            first.tag["unit_fqn"] or "(root)",
+            len(bucket.members),
+            str(first.dtype).replace("torch.", ""),
+            bucket.input_bytes,
+            ", ".join(m.tag["param_fqn"] for m in bucket.members),
+        )
         if len(bucket.members) < 2:
             continue
         if bucket.kind == "all_gather":

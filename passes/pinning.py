@@ -23,12 +23,16 @@ Run it last: it wraps nodes, which later structural passes would not expect.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
 from fsdp_compile._compat import preserve_node_ordering
 from fsdp_compile.passes.graph_utils import is_collective_issue, our_collectives
 from fsdp_compile.runtime.collectives import tag_of
+
+log = logging.getLogger("fsdp_compile.passes.pinning")
 
 
 def _is_compute(node: fx.Node) -> bool:
@@ -77,5 +81,6 @@ def pin_schedule(graph: fx.Graph, reduce_scatter_depth: int = 1, first: fx.Node 
     """Add the :func:`schedule_constraints` edges to ``graph``; ``first`` (if given)
     runs before every collective."""
     deps = schedule_constraints(graph, reduce_scatter_depth, first)
+    log.debug("pinned the schedule with %d ordering edge(s)", sum(len(v) for v in deps.values()))
     if deps:
         preserve_node_ordering(graph, deps)

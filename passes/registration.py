@@ -30,7 +30,8 @@ from fsdp_compile._compat import (
     set_post_grad_custom_post_pass,
 )
 from fsdp_compile.passes.bucketing import bucket_collectives
-from fsdp_compile.passes.consistency import insert_consistency_check
+from fsdp_compile import debug
+from fsdp_compile.passes.consistency import graph_name, insert_consistency_check
 from fsdp_compile.passes.graph_utils import our_collectives
 from fsdp_compile.passes.pinning import pin_schedule
 from fsdp_compile.passes.reordering import reorder_for_overlap
@@ -43,6 +44,7 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     """Our joint-graph passes, in order."""
     if config.reshard_pass:
         tag_reshard_after_forward(gm)
+    debug.record_joint(gm)
     return gm
 
 
@@ -52,6 +54,8 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     if not our_collectives(graph):
         return
     config.validate()
+    folder = debug.begin_graph(graph_name(graph).split()[0])
+    debug.record_graph(folder, "0_input", graph)
     if config.bucketing:
         cap = int(config.bucket_cap_mb * 2**20) if config.bucket_mode == "cap" else None
         if config.bucket_mode == "auto":
@@ -59,7 +63,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
 
             cap = choose_bucket_cap(graph, config.hardware_profile)
         buckets = bucket_collectives(graph, cap)
-        log.debug("bucketed into %d collectives: %s", len(buckets), [len(b.members) for b in buckets])
+        debug.record_graph(folder, "1_bucketing", graph)
     if config.reorder:
         reorder_for_overlap(
             graph,
@@ -67,9 +71,13 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
             reduce_scatter_depth=config.reduce_scatter_depth,
             max_inflight_bytes=config.max_inflight_bytes,
         )
+        debug.record_graph(folder, "2_reordering", graph)
+    debug.write_report(folder, graph, config.hardware_profile)
+    log.debug("%s: %d collective(s) after our passes", graph_name(graph), len(our_collectives(graph)))
     check = insert_consistency_check(graph) if config.check_collective_consistency else None
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
     pin_schedule(graph, config.reduce_scatter_depth, first=check)
+    debug.record_graph(folder, "3_pinned", graph)
 
 
 class _ChainedJointPass:

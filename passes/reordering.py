@@ -24,6 +24,8 @@ decisions from the same graph, issues the same sequence).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
@@ -35,6 +37,8 @@ from fsdp_compile.passes.graph_utils import (
     stable_topological_sort,
 )
 from fsdp_compile.runtime.collectives import tag_of
+
+log = logging.getLogger("fsdp_compile.passes.reordering")
 
 def tail_of(c: Collective) -> list[fx.Node]:
     """The wait and the copy-out chain traced with it (same role), in graph order."""
@@ -81,16 +85,22 @@ def prefetch_all_gathers(
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
     gathered = [c.input_bytes * c.world_size for c in all_gathers]
     for k, c in enumerate(all_gathers):
+        unit = c.tag["unit_fqn"] or "(root)"
         j = k - depth
         if max_inflight_bytes is not None:
             while j < k and sum(gathered[max(j, 0) : k + 1]) > max_inflight_bytes:
                 j += 1
             if j == k:
+                log.debug("all-gather of unit %r not prefetched: max_inflight_bytes=%d would be exceeded", unit, max_inflight_bytes)
                 continue  # no room: stays where it is
         target = anchor if j < 0 else all_gathers[j].wait
         head = head_of(c, target)
-        if head is not None:
-            move_before(head, target)
+        if head is None:
+            log.debug("all-gather of unit %r not prefetched: its input needs compute that runs later", unit)
+            continue
+        move_before(head, target)
+        where = "the top of the graph" if j < 0 else f"the wait of unit {all_gathers[j].tag['unit_fqn'] or '(root)'!r}"
+        log.debug("all-gather of unit %r issued before %s", unit, where)
 
 
 def bound_reduce_scatters(reduce_scatters: list[Collective], depth: int) -> None:
@@ -103,6 +113,12 @@ def bound_reduce_scatters(reduce_scatters: list[Collective], depth: int) -> None
         tail = tail_of(c)
         if order[tail[0]] > order[later_issue]:
             move_before(tail, later_issue)
+            log.debug(
+                "reduce-scatter of unit %r waited before reduce-scatter of unit %r is issued (depth %d)",
+                c.tag["unit_fqn"] or "(root)",
+                reduce_scatters[k + depth].tag["unit_fqn"] or "(root)",
+                depth,
+            )
 
 
 def reorder_for_overlap(

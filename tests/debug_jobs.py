@@ -39,3 +39,20 @@ def run_rank_dependent_graph(backend: str = "inductor") -> tuple[str, float]:
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         return str(e), time.perf_counter() - start
     return "no error", time.perf_counter() - start
+
+
+def compile_under_dump(path: str) -> list[str]:
+    import fsdp_compile.debug
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing.models import MLPStack
+
+    torch.manual_seed(0)
+    model = MLPStack(dim=8, n_layers=3, bias=True)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    with fsdp_compile.debug.dump(path) as here:
+        torch.compile(model)(torch.randn(2, 8)).sum().backward()
+    return sorted(str(p.relative_to(here)) for p in here.rglob("*") if p.is_file() and "depyf" not in p.parts) + [
+        f"depyf files: {sum(1 for _ in (here / 'depyf').rglob('*'))}"
+    ]

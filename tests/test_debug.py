@@ -31,3 +31,54 @@ def test_fingerprint_is_rank_independent_despite_padding():
     assert prints[0] == prints[1]
     # Unit 0: weight [5, 6] and bias [5] over 2 ranks: padded shards of 3 x 6 + 3 elements.
     assert prints[0][0] == ["all_gather_into_tensor", "0", "", "float32[21]"]
+
+
+def test_dump_writes_every_stage_per_rank(pool2, tmp_path):
+    import json
+
+    listings = pool2.run(debug_jobs.compile_under_dump, str(tmp_path))
+    for rank, files in enumerate(listings):
+        assert int(files[-1].split(": ")[1]) > 0, "depyf wrote nothing"
+        for kind in ("forward", "backward"):
+            folder = next(f.split("/")[0] for f in files if f.startswith("graph_") and f.split("/")[0].endswith(kind))
+            for name in ("0_input.py", "1_bucketing.py", "2_reordering.py", "3_pinned.py", "output_code.py",
+                         "collectives.md", "timeline.json", "timeline.svg"):
+                assert f"{folder}/{name}" in files, (rank, folder, name)
+            root = tmp_path / f"rank{rank}" / folder
+            table = (root / "collectives.md").read_text()
+            assert "| # | kind | unit | parameters |" in table
+            assert table.count("| all_gather |" if kind == "forward" else "| reduce_scatter |") == 3
+            trace = json.loads((root / "timeline.json").read_text())
+            assert any(e.get("tid") == 1 and e["ph"] == "X" for e in trace["traceEvents"])
+            assert (root / "timeline.svg").read_text().startswith("<svg")
+        assert any(f.startswith("joint_") for f in files)
+
+
+def test_environment_variable_dump_and_torch_logs(tmp_path):
+    """FSDP_COMPILE_DUMP and TORCH_LOGS="+fsdp_compile" in a fresh process (fake world of 4)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        import fsdp_compile
+        from fsdp_compile._compat import register_fake_process_group
+        from fsdp_compile.testing.models import MLPStack
+        register_fake_process_group()
+        dist.init_process_group("fake", rank=0, world_size=4)
+        model = MLPStack(dim=8, n_layers=2, bias=True)
+        for layer in model.layers:
+            fsdp_compile.fully_shard(layer)
+        fsdp_compile.fully_shard(model)
+        torch.compile(model)(torch.randn(2, 8)).sum().backward()
+        """
+    )
+    env = dict(os.environ, FSDP_COMPILE_DUMP=str(tmp_path), TORCH_LOGS="+fsdp_compile")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "all_gather bucket for unit 'layers.0': 2 collective(s) -> 1" in done.stderr
+    assert "issued before the wait of unit 'layers.0'" in done.stderr
+    assert list((tmp_path / "rank0").glob("graph_*_forward/collectives.md"))

@@ -1,0 +1,146 @@
+"""See every stage of a compiled sharded step.
+
+    import fsdp_compile.debug
+
+    with fsdp_compile.debug.dump("dump_dir"):
+        loss = torch.compile(model)(batch).sum(); loss.backward()
+
+or ``FSDP_COMPILE_DUMP=dump_dir python train.py``. Per rank (``dump_dir/rank0``...):
+
+* ``depyf/`` — depyf's decompiled Dynamo bytecode and graphs;
+* ``joint_<k>.md`` — the joint graph's all-gather chains and the recompute
+  decision the reshard pass took for each;
+* ``graph_<k>_<forward|backward>/`` — the post-grad graph as Inductor handed
+  it to us (``0_input.py``), after each of our passes (``1_bucketing.py``,
+  ``2_reordering.py``, ``3_pinned.py``), Inductor's ``output_code.py``, a
+  ``collectives.md`` report (one row per collective: kind, unit, parameters,
+  dtype, bytes, bucket, issue and wait positions, compute between them,
+  estimated time and overlap on ``fsdp_compile.config.hardware_profile``), and
+  the simulated schedule as ``timeline.json`` (Chrome trace: open in Perfetto
+  or chrome://tracing) and ``timeline.svg``.
+
+``TORCH_LOGS="+fsdp_compile"`` prints each pass's decisions (buckets made,
+collectives moved, why one was not overlapped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch.fx as fx
+
+log = logging.getLogger("fsdp_compile")
+
+_state = {"dir": None, "graph_dir": None}
+_graph_ids = itertools.count()
+_joint_ids = itertools.count()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def dump_dir() -> Path | None:
+    """This rank's dump directory, when dumping is on."""
+    root = _state["dir"]
+    if root is None:
+        return None
+    path = Path(root) / f"rank{_rank()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def dump(path: str | os.PathLike) -> Iterator[Path]:
+    """Write every stage of each graph compiled inside the context under ``path``."""
+    import depyf
+
+    from fsdp_compile._compat import output_code_hook
+
+    previous = _state["dir"]
+    _state["dir"] = str(path)
+    here = dump_dir()
+    try:
+        with depyf.prepare_debug(str(here / "depyf")), output_code_hook(_save_output_code):
+            yield here
+    finally:
+        _state["dir"] = previous
+
+
+def _save_output_code(code: str) -> None:
+    graph_dir = _state["graph_dir"]
+    root = dump_dir()
+    if root is None:
+        return
+    target = Path(graph_dir) if graph_dir else root / f"cached_{next(_graph_ids)}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "output_code.py").write_text(code)
+    _state["graph_dir"] = None
+
+
+# ------------------------------------------------------------- pass-side hooks
+
+
+def begin_graph(kind: str) -> Path | None:
+    """Called by our post-grad pass for each graph; returns its dump folder (or None)."""
+    root = dump_dir()
+    if root is None:
+        return None
+    folder = root / f"graph_{next(_graph_ids)}_{kind}"
+    folder.mkdir(parents=True, exist_ok=True)
+    _state["graph_dir"] = str(folder)
+    return folder
+
+
+def record_graph(folder: Path | None, name: str, graph: fx.Graph) -> None:
+    if folder is None:
+        return
+    code = graph.python_code("self").src
+    (folder / f"{name}.py").write_text(code)
+
+
+def record_joint(gm: fx.GraphModule) -> None:
+    """The reshard pass's decisions on one joint graph."""
+    root = dump_dir()
+    if root is None:
+        return
+    from fsdp_compile.runtime.collectives import tag_of
+
+    lines = ["| node | role | unit | parameter | recompute |", "|---|---|---|---|---|"]
+    for node in gm.graph.nodes:
+        tag = tag_of(node)
+        if tag is None or node.op != "call_function" or "all_gather" not in str(node.target):
+            continue
+        lines.append(
+            f"| {node.name} | {tag['role']} | {tag['unit_fqn'] or '(root)'} | {tag['param_fqn']} "
+            f"| {node.meta.get('recompute', 'partitioner default (save)')} |"
+        )
+    (root / f"joint_{next(_joint_ids)}.md").write_text("\n".join(lines) + "\n")
+
+
+def write_report(folder: Path | None, graph: fx.Graph, profile: str) -> None:
+    """``collectives.md``, ``timeline.json`` and ``timeline.svg`` for the final order."""
+    if folder is None:
+        return
+    from fsdp_compile.passes.cost_model import simulate
+    from fsdp_compile.passes.report import collectives_table, timeline_chrome_trace, timeline_svg
+
+    sim = simulate(graph, profile)
+    (folder / "collectives.md").write_text(collectives_table(graph, sim))
+    (folder / "timeline.json").write_text(timeline_chrome_trace(sim))
+    (folder / "timeline.svg").write_text(timeline_svg(sim))
+
+
+def _dump_from_environment() -> None:
+    path = os.environ.get("FSDP_COMPILE_DUMP")
+    if path:
+        ctx = dump(path)
+        ctx.__enter__()  # for the life of the process
+        _state["env_context"] = ctx

@@ -1,0 +1,144 @@
+"""Human-readable views of a scheduled graph: a collectives table and timelines.
+
+Pure functions of a graph and its :class:`~fsdp_compile.passes.cost_model.Simulation`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch.fx as fx
+
+from fsdp_compile.passes.cost_model import Simulation, collective_kind
+from fsdp_compile.passes.graph_utils import WAIT
+from fsdp_compile.runtime.collectives import tag_of
+
+
+def _compute_between(graph: fx.Graph, issue: fx.Node, wait: fx.Node | None) -> list[str]:
+    names, inside = [], False
+    for node in graph.nodes:
+        if node is issue:
+            inside = True
+            continue
+        if node is wait:
+            break
+        if inside and node.op == "call_function" and tag_of(node) is None and collective_kind(node) is None:
+            target = node.target
+            if getattr(target, "is_view", False) or target is WAIT:
+                continue
+            names.append(node.name)
+    return names
+
+
+def collectives_table(graph: fx.Graph, sim: Simulation) -> str:
+    """Markdown: one row per collective in issue order."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    by_name = {n.name: n for n in graph.nodes}
+    rows = [
+        f"# Collectives ({sim.profile}, modelled)",
+        "",
+        f"step {sim.step_s * 1e3:.3f} ms, compute {sim.compute_s * 1e3:.3f} ms, communication "
+        f"{sim.communication_s * 1e3:.3f} ms, exposed {sim.exposed_s * 1e3:.3f} ms "
+        f"(overlap {sim.overlap_fraction:.0%}), peak live {sim.peak_bytes / 2**20:.1f} MiB",
+        "",
+        "| # | kind | unit | parameters | dtype | bytes | bucket | issue @ | wait @ | compute between | est. time (us) | exposed (us) | overlap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, t in enumerate(sim.collectives):
+        node = by_name[t.name]
+        tag = tag_of(node) or {}
+        wait = next((u for u in node.users if u.target is WAIT), None)
+        between = _compute_between(graph, node, wait)
+        params = tag.get("param_fqn", "(not ours)")
+        if len(params) > 60:
+            params = params[:57] + "..."
+        duration = t.end_s - t.start_s
+        overlap = 1 - t.exposed_s / duration if duration else 1.0
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        dtype = str(val.dtype).replace("torch.", "") if val is not None else "?"
+        rows.append(
+            f"| {i} | {t.kind} | {tag.get('unit_fqn', '-') or '(root)'} | {params} | {dtype} | {t.bytes} "
+            f"| {tag.get('bucket_size', 1)} | {position[node]} | {position[wait] if wait else '-'} "
+            f"| {len(between)}{' (' + ', '.join(between[:3]) + (', ...' if len(between) > 3 else '') + ')' if between else ''} "
+            f"| {duration * 1e6:.1f} | {t.exposed_s * 1e6:.1f} | {overlap:.0%} |"
+        )
+    if sim.notes:
+        rows += ["", *(f"Note: {n}." for n in sim.notes)]
+    return "\n".join(rows) + "\n"
+
+
+def timeline_chrome_trace(sim: Simulation) -> str:
+    """Chrome trace JSON (Perfetto, chrome://tracing): compute and communication lanes."""
+    events = [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"simulated step ({sim.profile})"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "compute"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "communication"}},
+    ]
+    for name, start, end in sim.compute_spans:
+        events.append({"name": name, "ph": "X", "pid": 0, "tid": 0, "ts": start * 1e6, "dur": (end - start) * 1e6})
+    for t in sim.collectives:
+        events.append(
+            {
+                "name": f"{t.kind} {t.unit or '(root)'}",
+                "ph": "X",
+                "pid": 0,
+                "tid": 1,
+                "ts": t.start_s * 1e6,
+                "dur": (t.end_s - t.start_s) * 1e6,
+                "args": {"bytes": t.bytes, "exposed_us": t.exposed_s * 1e6},
+            }
+        )
+        if t.exposed_s:
+            events.append(
+                {
+                    "name": f"waiting for {t.kind} {t.unit or '(root)'}",
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": 0,
+                    "ts": (t.end_s - t.exposed_s) * 1e6,
+                    "dur": t.exposed_s * 1e6,
+                    "cname": "terrible",
+                }
+            )
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=0)
+
+
+def timeline_svg(sim: Simulation, width: int = 1200) -> str:
+    """A static picture: compute lane (grey; red where it waits), communication lane (blue)."""
+    total = max(sim.step_s, 1e-12)
+    scale = (width - 120) / total
+    lane_h, top = 28, 30
+
+    def x(t: float) -> float:
+        return 110 + t * scale
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + 3 * lane_h + 40}" font-family="sans-serif" font-size="11">',
+        f'<text x="10" y="18">{sim.profile} (modelled): step {sim.step_s * 1e3:.2f} ms, exposed communication '
+        f"{sim.exposed_s * 1e3:.2f} ms, overlap {sim.overlap_fraction:.0%}</text>",
+        f'<text x="10" y="{top + 18}">compute</text>',
+        f'<text x="10" y="{top + lane_h + 18}">communication</text>',
+    ]
+    for _, start, end in sim.compute_spans:
+        parts.append(
+            f'<rect x="{x(start):.2f}" y="{top}" width="{max((end - start) * scale, 0.5):.2f}" height="{lane_h - 6}" fill="#9e9e9e"/>'
+        )
+    for t in sim.collectives:
+        w = max((t.end_s - t.start_s) * scale, 0.5)
+        parts.append(
+            f'<rect x="{x(t.start_s):.2f}" y="{top + lane_h}" width="{w:.2f}" height="{lane_h - 6}" fill="#1e88e5" stroke="white">'
+            f"<title>{t.kind} {t.unit or '(root)'}: {t.bytes} bytes, exposed {t.exposed_s * 1e6:.1f} us</title></rect>"
+        )
+        if t.exposed_s:
+            parts.append(
+                f'<rect x="{x(t.end_s - t.exposed_s):.2f}" y="{top}" width="{max(t.exposed_s * scale, 0.5):.2f}" height="{lane_h - 6}" fill="#e53935">'
+                f"<title>waiting for {t.kind} {t.unit or '(root)'}</title></rect>"
+            )
+    legend_y = top + 2 * lane_h + 20
+    parts += [
+        f'<rect x="110" y="{legend_y - 10}" width="12" height="12" fill="#9e9e9e"/><text x="126" y="{legend_y}">compute</text>',
+        f'<rect x="200" y="{legend_y - 10}" width="12" height="12" fill="#e53935"/><text x="216" y="{legend_y}">waiting (exposed communication)</text>',
+        f'<rect x="420" y="{legend_y - 10}" width="12" height="12" fill="#1e88e5"/><text x="436" y="{legend_y}">collective on the link</text>',
+        "</svg>",
+    ]
+    return "\n".join(parts) + "\n"
