@@ -99,6 +99,21 @@ def register_torch_log(alias: str, logger_name: str) -> None:
         _internal._init_logs()  # TORCH_LOGS was parsed before the alias existed
 
 
+def current_compile_attempt() -> tuple[int, int] | None:
+    """torch/_guards.py: (frame id, how many times this frame was compiled before)."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_id is None:
+        return None
+    return compile_id.frame_id, compile_id.frame_compile_id
+
+
+def dynamo_graph_break_counts() -> dict[str, int]:
+    """torch/_dynamo/utils.py: graph breaks so far in this process, by reason."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -141,4 +156,6 @@ __all__ = [
     "mark_side_effectful",
     "output_code_hook",
     "register_torch_log",
+    "current_compile_attempt",
+    "dynamo_graph_break_counts",
 ]

@@ -13,6 +13,8 @@ rank (a ``Replicate()`` DTensor) and their gradient is all-reduced.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -81,6 +83,8 @@ class FSDPParam:
         annotation = collective_annotation(
             "unshard", self.fqn, self.unit.fqn, self.unit.resolved_reshard_after_forward()
         )
+        if forward_context.in_broken_graph():
+            warn_graph_break(self)
         local = sharded_param.to_local()
         if self.layout is None:
             full = replicate_with_grad_sync(local, self.group_name, annotation)
@@ -114,6 +118,24 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn!r}, shape={tuple(self.sharded_param.shape)}, unit={self.unit.fqn!r})"
+
+
+_warned_units: set[str] = set()
+
+
+def warn_graph_break(fsdp_param: FSDPParam) -> None:
+    """Once per unit: its parameters are gathered in eager code between compiled graphs."""
+    unit = fsdp_param.unit.fqn or "(root)"
+    if unit in _warned_units:
+        return
+    _warned_units.add(unit)
+    warnings.warn(
+        f"fsdp_compile: graph break inside the sharded forward of unit {unit!r}: parameter "
+        f"{fsdp_param.fqn!r} is gathered in eager code between compiled graphs, so its collectives "
+        "cannot be bucketed or overlapped. TORCH_LOGS=graph_breaks shows where Dynamo broke; "
+        "fsdp_compile.debug.dump(DIR) writes each graph and its collectives.",
+        stacklevel=3,
+    )
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -69,6 +69,7 @@ class _ForwardContext:
 
     def __init__(self) -> None:
         self.frames: list[list] = []  # per running sharded forward: its gathered FSDPParams
+        self.frame_compiled: list[bool] = []  # per running sharded forward: entered inside a compiled graph
         # Eager only: storage address of each cached full tensor -> its
         # FSDPParam, for the saved-tensor hooks that reshard after forward.
         # An entry lives exactly as long as the cached tensor it names, so
@@ -81,10 +82,17 @@ class _ForwardContext:
 
     def enter(self) -> None:
         self.frames.append([])
+        self.frame_compiled.append(torch.compiler.is_compiling())
 
     def exit(self) -> None:
+        self.frame_compiled.pop()
         for fsdp_param in self.frames.pop():
             fsdp_param.drop_unsharded()
+
+    def in_broken_graph(self) -> bool:
+        """Eager code running inside a sharded forward that a compiled graph entered:
+        Dynamo broke the graph there."""
+        return not torch.compiler.is_compiling() and any(self.frame_compiled)
 
     def note_gathered(self, fsdp_param, full: torch.Tensor) -> None:
         self.frames[-1].append(fsdp_param)

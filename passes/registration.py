@@ -17,12 +17,15 @@ passes run under Inductor only; ``aot_eager`` runs the traced graph as is.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch.fx as fx
 
 from fsdp_compile import config
 from fsdp_compile._compat import (
     CustomGraphPass,
+    current_compile_attempt,
+    dynamo_graph_break_counts,
     get_joint_custom_pass,
     get_post_grad_custom_post_pass,
     hash_of_files,
@@ -36,12 +39,15 @@ from fsdp_compile.passes.graph_utils import our_collectives
 from fsdp_compile.passes.pinning import pin_schedule
 from fsdp_compile.passes.reordering import reorder_for_overlap
 from fsdp_compile.passes.reshard import tag_reshard_after_forward
+from fsdp_compile.runtime.collectives import tag_of
 
 log = logging.getLogger("fsdp_compile.passes")
 
 
 def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     """Our joint-graph passes, in order."""
+    _warn_if_recompile(gm)
+    _warn_if_graph_break(gm.graph)
     if config.reshard_pass:
         tag_reshard_after_forward(gm)
     debug.record_joint(gm)
@@ -53,6 +59,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     pinning the order."""
     if not our_collectives(graph):
         return
+    _warn_if_graph_break(graph)
     config.validate()
     folder = debug.begin_graph(graph_name(graph).split()[0])
     debug.record_graph(folder, "0_input", graph)
@@ -78,6 +85,48 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
     pin_schedule(graph, config.reduce_scatter_depth, first=check)
     debug.record_graph(folder, "3_pinned", graph)
+
+
+def _units_in(graph: fx.Graph) -> list[str]:
+    return sorted({(tag_of(n) or {}).get("unit_fqn") for n in graph.nodes if tag_of(n)} - {None})
+
+
+_graph_breaks_seen: dict[str, int] = {}
+
+
+def _warn_if_graph_break(graph: fx.Graph) -> None:
+    """Dynamo broke a graph while tracing a frame that runs sharded units: name them."""
+    counts = dynamo_graph_break_counts()
+    new = [reason for reason, n in counts.items() if n > _graph_breaks_seen.get(reason, 0)]
+    _graph_breaks_seen.update(counts)
+    units = _units_in(graph)
+    if not new or not units:
+        return
+    reasons = "; ".join(r.strip().splitlines()[0][:160] for r in new)
+    warnings.warn(
+        f"fsdp_compile: graph break in a compiled frame that runs the sharded unit(s) "
+        f"{', '.join(repr(u or '(root)') for u in units)} ({reasons}). Collectives on either side "
+        "of a break cannot be bucketed or overlapped together. TORCH_LOGS=graph_breaks shows where; "
+        "fsdp_compile.debug.dump(DIR) writes each graph and its collectives.",
+        stacklevel=2,
+    )
+
+
+def _warn_if_recompile(gm: fx.GraphModule) -> None:
+    """A frame compiled again that holds sharded units: say which units, and where to look."""
+    attempt = current_compile_attempt()
+    if attempt is None or not attempt[1]:
+        return
+    units = _units_in(gm.graph)
+    if not units:
+        return
+    warnings.warn(
+        f"fsdp_compile: recompiling a graph (frame {attempt[0]}, compile #{attempt[1] + 1}) that holds "
+        f"the sharded unit(s) {', '.join(repr(u or '(root)') for u in units)}. Expected after "
+        "train()/eval() switches or new input shapes; otherwise TORCH_LOGS=recompiles shows the guard "
+        "that failed, and fsdp_compile.debug.dump(DIR) writes each compiled graph.",
+        stacklevel=2,
+    )
 
 
 class _ChainedJointPass:

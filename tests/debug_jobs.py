@@ -56,3 +56,43 @@ def compile_under_dump(path: str) -> list[str]:
     return sorted(str(p.relative_to(here)) for p in here.rglob("*") if p.is_file() and "depyf" not in p.parts) + [
         f"depyf files: {sum(1 for _ in (here / 'depyf').rglob('*'))}"
     ]
+
+
+class EagerLinear(nn.Linear):
+    """A layer whose forward Dynamo must not trace (as FSDP2's hooks are)."""
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        return super().forward(x)
+
+
+class BreaksInsideAUnit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = EagerLinear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def warnings_from_break_and_recompile() -> list[str]:
+    import warnings
+
+    from fsdp_compile import fully_shard
+
+    torch.manual_seed(0)
+    model = BreaksInsideAUnit()
+    fully_shard(model.b)
+    fully_shard(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(2, 4)).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            compiled(torch.randn(2, 4))
+        compiled(torch.randn(3, 4))  # eval + new batch size: more recompiles
+    return [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]

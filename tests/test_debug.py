@@ -82,3 +82,13 @@ def test_environment_variable_dump_and_torch_logs(tmp_path):
     assert "all_gather bucket for unit 'layers.0': 2 collective(s) -> 1" in done.stderr
     assert "issued before the wait of unit 'layers.0'" in done.stderr
     assert list((tmp_path / "rank0").glob("graph_*_forward/collectives.md"))
+
+
+def test_graph_break_and_recompile_warnings_name_the_unit(pool2):
+    messages = pool2.run(debug_jobs.warnings_from_break_and_recompile)[0]
+    breaks = [m for m in messages if "graph break in a compiled frame" in m]
+    assert breaks and "'(root)'" in breaks[0] and "graph_break()" in breaks[0] and "debug.dump" in breaks[0]
+    eager = [m for m in messages if "graph break inside the sharded forward" in m]
+    assert eager and "unit 'b'" in eager[0] and "'b.weight'" in eager[0]
+    recompiles = [m for m in messages if "recompiling a graph" in m]
+    assert recompiles and "TORCH_LOGS=recompiles" in recompiles[0]
