@@ -181,7 +181,11 @@ def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_po
 
 
 def _default_mesh(modules: list[nn.Module]) -> DeviceMesh:
-    device_type = _params_device_type(modules) or "cpu"
+    """All ranks, on the parameters' device type (for meta parameters, as FSDP2: the
+    accelerator if there is one, else CPU)."""
+    device_type = _params_device_type(modules)
+    if device_type in (None, "meta"):
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 

@@ -1,0 +1,136 @@
+"""Rank-side functions for FSDP2 feature tests: init, clipping, state dicts, DCP."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.models import batch, build, loss_fn
+
+
+def _shard(units, kind: str = "ours") -> None:
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fsdp_compile import fully_shard
+    for unit in units:
+        fully_shard(unit)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def _step(model, run, opt, name: str, step: int, clip: float | None = None):
+    x, y = batch(name, step)
+    loss = loss_fn(name, run(_local(x)), _local(y))
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip is not None else None
+    opt.step()
+    opt.zero_grad()
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size(), norm
+
+
+def _full_params(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def meta_init_matches_eager_init(name: str = "llama", steps: int = 3) -> dict:
+    """Meta build -> fully_shard -> to_empty -> load full weights, vs building on CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reference, _ = build(name)
+    full = {k: v.clone() for k, v in reference.state_dict().items()}
+    with torch.device("meta"):
+        model, units = build(name)
+    _shard(units)
+    model.to_empty(device="cpu")
+    model.rope_cos.copy_(reference.rope_cos)  # non-persistent buffers are not in a state dict
+    model.rope_sin.copy_(reference.rope_sin)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    eager, eager_units = build(name)
+    _shard(eager_units)
+    out = {}
+    for label, m in (("meta", model), ("eager", eager)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        run = torch.compile(m, backend="aot_eager")
+        losses = [_step(m, run, opt, name, s)[0] for s in range(steps)]
+        out[label] = (losses, _full_params(m))
+    return out
+
+
+def clip_grad_norm_matches_reference(name: str = "mlp", max_norm: float = 0.01) -> dict:
+    """clip_grad_norm_ on sharded gradients vs the unsharded model on the global batch."""
+    ref, _ = build(name)
+    model, units = build(name)
+    _shard(units)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(name, 0)
+    loss_fn(name, ref(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    ref_opt.step()
+    _, norm = _step(model, torch.compile(model, backend="inductor"), opt, name, 0, clip=max_norm)
+    from torch.distributed.tensor import DTensor
+
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return {"ref_norm": ref_norm, "norm": norm, "ref": {n: p.detach().clone() for n, p in ref.named_parameters()}, "ours": _full_params(model)}
+
+
+def dcp_round_trip(path: str, name: str = "llama", kind: str = "ours") -> dict:
+    """Train 2 steps, save model + optimizer with DCP, train 1 more; then load into a fresh
+    model and optimizer and train that step again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def fresh():
+        model, units = build(name)
+        _shard(units, kind)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, torch.compile(model, backend="aot_eager"), opt
+
+    model, run, opt = fresh()
+    for s in range(2):
+        _step(model, run, opt, name, s)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    continued = _step(model, run, opt, name, 2)[0]
+    continued_params = _full_params(model)
+
+    model2, run2, opt2 = fresh()
+    model_sd, optim_sd = get_state_dict(model2, opt2)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed = _step(model2, run2, opt2, name, 2)[0]
+    return {"continued": (continued, continued_params), "resumed": (resumed, _full_params(model2))}
+
+
+def save_checkpoint(path: str, kind: str, name: str = "llama", steps: int = 2) -> dict:
+    """Train ``steps`` steps sharded by ``kind`` and save the model with DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model, units = build(name)
+    _shard(units, kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(steps):
+        _step(model, model, opt, name, s)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+    return _full_params(model)
+
+
+def load_checkpoint(path: str, kind: str, name: str = "llama") -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model, units = build(name)
+    _shard(units, kind)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    return _full_params(model)
