@@ -25,6 +25,10 @@ from torch.fx.traceback import annotate as fx_annotate  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402  (public, listed for completeness)
 
 
+# torch/utils/_pytree.py: map over nested containers (Dynamo traces it).
+from torch.utils._pytree import tree_map  # noqa: E402
+
+
 def detect_fake_mode(tensors):
     """torch/_guards.py: the FakeTensorMode the given (fake) tensors belong to, if any."""
     return torch._guards.detect_fake_mode(tensors)
@@ -148,6 +152,7 @@ __all__ = [
     "group_name_of",
     "register_fake_process_group",
     "detect_fake_mode",
+    "tree_map",
     "CustomGraphPass",
     "hash_of_files",
     "get_post_grad_custom_post_pass",

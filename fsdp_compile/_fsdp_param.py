@@ -86,10 +86,15 @@ class FSDPParam:
         if forward_context.in_broken_graph():
             warn_graph_break(self)
         local = sharded_param.to_local()
+        policy = self.unit.mp_policy
         if self.layout is None:
-            full = replicate_with_grad_sync(local, self.group_name, annotation)
+            full = replicate_with_grad_sync(
+                local, self.group_name, annotation, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
+            )
         else:
-            full = all_gather_shard(local, self.layout, annotation)
+            full = all_gather_shard(
+                local, self.layout, annotation, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
+            )
         self._unsharded = full
         forward_context.note_gathered(self, full)
         return full
@@ -98,7 +103,9 @@ class FSDPParam:
         """Eager backward: the full tensor again, without autograd (see ``eager_reshard_hooks``)."""
         annotation = collective_annotation("regather", self.fqn, self.unit.fqn, True)
         with torch.no_grad():
-            return all_gather_shard(self.sharded_param.to_local(), self.layout, annotation)
+            return all_gather_shard(
+                self.sharded_param.to_local(), self.layout, annotation, param_dtype=self.unit.mp_policy.param_dtype
+            )
 
     def regather_slot(self) -> RegatherSlot:
         """The slot shared by all saved views of this parameter in the current forward."""

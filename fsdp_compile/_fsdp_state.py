@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass
@@ -29,6 +30,7 @@ class FSDPUnit:
     reshard_after_forward: bool | None
     params: list = field(default_factory=list)  # list[FSDPParam]
     is_root: bool = True
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     # Path of each module from the outermost sharded module ("" for the root
     # itself); rewritten when a parent is sharded later.
     module_fqns: list = field(default_factory=list)

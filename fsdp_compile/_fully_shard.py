@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_compile._compat import tree_map
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, forward_context
 from fsdp_compile.runtime.process_groups import all_gather_json
@@ -39,6 +40,9 @@ class FSDPModule:
     _fsdp_unit: FSDPUnit
 
     def forward(self, *args, **kwargs):
+        policy = self._fsdp_unit.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         outermost_eager = (
             forward_context.depth == 0 and not torch.compiler.is_compiling() and torch.is_grad_enabled()
         )
@@ -46,10 +50,14 @@ class FSDPModule:
         try:
             if outermost_eager:
                 with forward_context.eager_reshard_hooks():
-                    return super().forward(*args, **kwargs)
-            return super().forward(*args, **kwargs)
+                    output = super().forward(*args, **kwargs)
+            else:
+                output = super().forward(*args, **kwargs)
         finally:
             forward_context.exit()
+        if policy.output_dtype is not None:
+            output = _cast_floating(output, policy.output_dtype)
+        return output
 
     # FSDP2's FSDPModule methods arrive with issue 4 (feature parity); until
     # then each one says so instead of silently doing nothing.
@@ -80,6 +88,11 @@ class FSDPModule:
         raise NotImplementedError("set_gradient_divide_factor is not supported yet (issue 4)")
 
 
+def _cast_floating(tree, dtype: torch.dtype):
+    """Floating-point tensors in ``tree`` cast to ``dtype`` (FSDP2's input/output casting)."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -108,6 +121,11 @@ def fully_shard(
         reshard_after_forward: ``True`` frees gathered parameters after
             forward (re-gathered in backward); ``False`` keeps them; ``None``
             means ``True`` except for the root unit.
+        mp_policy: mixed precision as FSDP2's: parameters gathered in
+            ``param_dtype``, gradients reduced in ``reduce_dtype``, floating
+            forward inputs cast to ``param_dtype`` (``cast_forward_inputs``) and
+            outputs to ``output_dtype``; sharded parameters and gradients keep
+            their own dtype.
         ignored_params: parameters left unsharded and unmanaged.
     """
     modules = _as_module_list(module)
@@ -125,7 +143,7 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh(modules)
     _validate_mesh(mesh, modules)
 
-    unit = FSDPUnit(modules=modules, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    unit = FSDPUnit(modules=modules, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
@@ -174,8 +192,8 @@ def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_po
         )
     if shard_placement_fn is not None:
         raise NotImplementedError("shard_placement_fn is not supported yet: parameters are sharded on dim 0")
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError("mixed precision (mp_policy) is not supported yet (issue 4)")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("CPU offload (offload_policy=CPUOffloadPolicy) is not supported yet (issue 4)")
 

@@ -108,15 +108,21 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class _AllGatherShard(torch.autograd.Function):
-    """Forward: all-gather dim-0 shards into the full tensor.
-    Backward: reduce-scatter the full gradient back into the local shard
-    with ``reduce_op`` (``"avg"`` over the data-parallel group, as FSDP2)."""
+    """Forward: all-gather dim-0 shards into the full tensor (cast to ``param_dtype``
+    first, so a bf16 policy gathers half the bytes).
+    Backward: reduce-scatter the full gradient back into the local shard with
+    ``reduce_op`` (``"avg"`` over the data-parallel group, as FSDP2), in
+    ``reduce_dtype`` (default: the gradient's), then cast to the shard's dtype."""
 
     @staticmethod
-    def forward(ctx, local, dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation):
+    def forward(
+        ctx, local, dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, reduce_dtype
+    ):
         ctx.rows_per_rank, ctx.local_rows = rows_per_rank, local_rows
         ctx.world_size, ctx.group_name, ctx.reduce_op = world_size, group_name, reduce_op
-        ctx.annotation = annotation
+        ctx.annotation, ctx.reduce_dtype, ctx.shard_dtype = annotation, reduce_dtype, local.dtype
+        if param_dtype is not None and param_dtype != local.dtype:
+            local = local.to(param_dtype)
         padded = _pad_rows(local, rows_per_rank)
         gathered = c10d_functional.all_gather_into_tensor(padded, world_size, group_name)
         gathered = c10d_functional.wait_tensor(gathered)
@@ -127,6 +133,8 @@ class _AllGatherShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_full):
         with fx_annotate(_as_role(ctx.annotation, "reduce_grad")):
+            if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad_full.dtype:
+                grad_full = grad_full.to(ctx.reduce_dtype)
             padded = _pad_rows(grad_full, ctx.rows_per_rank * ctx.world_size)
             shard = c10d_functional.reduce_scatter_tensor(
                 padded, ctx.reduce_op, ctx.world_size, ctx.group_name
@@ -134,32 +142,47 @@ class _AllGatherShard(torch.autograd.Function):
             shard = c10d_functional.wait_tensor(shard)
             if shard.shape[0] != ctx.local_rows:
                 shard = shard.narrow(0, 0, ctx.local_rows)
-        return shard, None, None, None, None, None, None, None
+            if shard.dtype != ctx.shard_dtype:
+                shard = shard.to(ctx.shard_dtype)
+        return shard, None, None, None, None, None, None, None, None, None
 
 
 class _AllReduceGrad(torch.autograd.Function):
     """Forward: identity (the tensor is replicated). Backward: all-reduce the gradient."""
 
     @staticmethod
-    def forward(ctx, local, group_name, reduce_op, annotation):
+    def forward(ctx, local, group_name, reduce_op, annotation, param_dtype, reduce_dtype):
         ctx.group_name, ctx.reduce_op, ctx.annotation = group_name, reduce_op, annotation
+        ctx.reduce_dtype, ctx.shard_dtype = reduce_dtype, local.dtype
+        if param_dtype is not None and param_dtype != local.dtype:
+            return local.to(param_dtype)
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):
         with fx_annotate(_as_role(ctx.annotation, "reduce_grad")):
+            if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad.dtype:
+                grad = grad.to(ctx.reduce_dtype)
             out = c10d_functional.all_reduce(grad.contiguous(), ctx.reduce_op, ctx.group_name)
             out = c10d_functional.wait_tensor(out)
-        return out, None, None, None
+            if out.dtype != ctx.shard_dtype:
+                out = out.to(ctx.shard_dtype)
+        return out, None, None, None, None, None
 
 
 def all_gather_shard(
-    local: torch.Tensor, layout: ShardLayout, annotation: dict, reduce_op: str = "avg"
+    local: torch.Tensor,
+    layout: ShardLayout,
+    annotation: dict,
+    reduce_op: str = "avg",
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The full tensor from every rank's dim-0 shard; its gradient is reduce-scattered.
 
     ``local`` is this rank's unpadded shard (``layout.local_shape``);
-    ``annotation`` comes from :func:`collective_annotation`.
+    ``annotation`` comes from :func:`collective_annotation`; the dtypes are a
+    mixed-precision policy's (``None``: keep the shard's / the gradient's).
     """
     with fx_annotate(annotation):
         return _AllGatherShard.apply(
@@ -171,12 +194,19 @@ def all_gather_shard(
             layout.group_name,
             reduce_op,
             annotation,
+            param_dtype,
+            reduce_dtype,
         )
 
 
 def replicate_with_grad_sync(
-    local: torch.Tensor, group_name: str, annotation: dict, reduce_op: str = "avg"
+    local: torch.Tensor,
+    group_name: str,
+    annotation: dict,
+    reduce_op: str = "avg",
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """A replicated tensor whose gradient is all-reduced (used for 0-dim parameters)."""
     with fx_annotate(annotation):
-        return _AllReduceGrad.apply(local, group_name, reduce_op, annotation)
+        return _AllReduceGrad.apply(local, group_name, reduce_op, annotation, param_dtype, reduce_dtype)

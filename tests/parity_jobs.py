@@ -16,18 +16,28 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _shard_model(variant: str, units) -> None:
+MIXED_PRECISION = {
+    None: None,
+    "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16-reduce-bf16": dict(param_dtype=torch.bfloat16),
+}
+
+
+def _shard_model(variant: str, units, mp: str | None = None) -> None:
     if variant == "reference":
         return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if variant == "fsdp2":
         from torch.distributed.fsdp import fully_shard
     else:
         from fsdp_compile import fully_shard
+    policy = MixedPrecisionPolicy(**(MIXED_PRECISION[mp] or {}))
     for unit in units:
-        fully_shard(unit)
+        fully_shard(unit, mp_policy=policy)
 
 
-def train(name: str, variant: str, steps: int = 3, with_eval: bool = False) -> dict:
+def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: str | None = None) -> dict:
     """Train ``name`` for ``steps`` SGD steps under ``variant``; the full parameters after each.
 
     ``reference`` is one unsharded model on the global batch (computed on every
@@ -38,7 +48,7 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False) -> d
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, units = build(name)
-    _shard_model(variant, units)
+    _shard_model(variant, units, mp)
     backend = COMPILE_BACKENDS.get(variant)
     counter = CompileCounterWithBackend(backend) if backend else None
     run = torch.compile(model, backend=counter, fullgraph=True) if counter else model
@@ -83,5 +93,25 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False) -> d
     return record
 
 
-def train_all(name: str, variants: list[str], steps: int = 3, with_eval: bool = False) -> dict:
-    return {v: train(name, v, steps, with_eval) for v in variants}
+def train_all(name: str, variants: list[str], steps: int = 3, with_eval: bool = False, mp: str | None = None) -> dict:
+    return {v: train(name, v, steps, with_eval, mp) for v in variants}
+
+
+def compiled_collective_dtypes(mp: str) -> dict:
+    """Dtypes of the captured collectives' inputs in the forward and backward graphs."""
+    from fsdp_compile._compat import c10d_functional
+    from fsdp_compile.testing import GraphCapture, collective_nodes
+
+    model, units = build("mlp")
+    _shard_model("ours", units, mp)
+    capture = GraphCapture()
+    x, y = batch("mlp", 0)
+    torch.compile(model, backend=capture)(x).sum().backward()
+    (fw,), (bw,) = capture.forward_graphs, capture.backward_graphs
+    dtypes = lambda g, op: sorted({str(n.args[0].meta["val"].dtype) for n in collective_nodes(g, op)})  # noqa: E731
+    return {
+        "forward_all_gather": dtypes(fw, c10d_functional.all_gather_into_tensor),
+        "backward_reduce_scatter": dtypes(bw, c10d_functional.reduce_scatter_tensor),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_compile import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fsdp_compile import CPUOffloadPolicy, fully_shard
 from fsdp_compile.testing import RankFailure
 from tests import error_jobs
 from tests.models import MLPStack
@@ -60,7 +60,6 @@ def test_shared_parameter_with_conflicting_mesh(fake_pg):
     [
         (dict(reshard_after_forward=2), "reshard_after_forward=2.*issue 4"),
         (dict(shard_placement_fn=lambda p: None), "shard_placement_fn"),
-        (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), "mixed precision"),
         (dict(offload_policy=CPUOffloadPolicy()), "CPU offload"),
     ],
 )
