@@ -69,6 +69,30 @@ class FSDPParam:
                 setattr(self.sharded_param, key, value)
         self._unsharded: torch.Tensor | None = None
         self._regather_slot: RegatherSlot | None = None
+        self._grad_accumulator: torch.Tensor | None = None
+
+    def prepare_gradient_accumulation(self) -> None:
+        """Create the leaf that collects this parameter's unsharded gradient while
+        gradient sync is off (``FSDPModule.set_requires_gradient_sync(False)``).
+
+        A zero-strided expand of one element: it costs no memory itself; its
+        ``.grad`` (full size, in the parameter's dtype) is what autograd fills,
+        as FSDP2 keeps unsharded gradients. The next synced backward adds it
+        before the reduce-scatter; a hook on the sharded parameter then drops it.
+        """
+        if self._grad_accumulator is not None or not self.sharded_param.requires_grad:
+            return
+        local = self.sharded_param.to_local()
+        with torch.no_grad():
+            seed = torch.zeros((), dtype=local.dtype, device=local.device)
+        self._grad_accumulator = seed.expand(self.sharded_param.shape).requires_grad_()
+        self.sharded_param.register_post_accumulate_grad_hook(self._drop_accumulated_grad)
+
+    def _drop_accumulated_grad(self, _param) -> None:
+        # Autograd runs this hook in no-sync backward passes too (with no
+        # gradient for the shard); only a synced pass has consumed the pending sum.
+        if self._grad_accumulator is not None and self.unit.requires_gradient_sync:
+            self._grad_accumulator.grad = None
 
     def unshard(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The full tensor; gathered once, then reused until the innermost running
@@ -87,14 +111,18 @@ class FSDPParam:
             warn_graph_break(self)
         local = sharded_param.to_local()
         policy = self.unit.mp_policy
-        if self.layout is None:
-            full = replicate_with_grad_sync(
-                local, self.group_name, annotation, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
-            )
-        else:
-            full = all_gather_shard(
-                local, self.layout, annotation, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
-            )
+        accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
+        pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
+        gather = replicate_with_grad_sync if self.layout is None else all_gather_shard
+        full = gather(
+            local,
+            self.group_name if self.layout is None else self.layout,
+            annotation,
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            pending=pending,
+            accumulator=accumulator,
+        )
         self._unsharded = full
         forward_context.note_gathered(self, full)
         return full

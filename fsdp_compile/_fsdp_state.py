@@ -31,6 +31,7 @@ class FSDPUnit:
     params: list = field(default_factory=list)  # list[FSDPParam]
     is_root: bool = True
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    requires_gradient_sync: bool = True
     # Path of each module from the outermost sharded module ("" for the root
     # itself); rewritten when a parent is sharded later.
     module_fqns: list = field(default_factory=list)

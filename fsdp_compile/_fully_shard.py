@@ -67,10 +67,21 @@ class FSDPModule:
     def reshard(self):
         raise NotImplementedError("FSDPModule.reshard() is not supported yet (FSDP2 feature parity, issue 4)")
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
-        raise NotImplementedError(
-            "set_requires_gradient_sync is not supported yet (gradient accumulation, issue 4)"
-        )
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Gradient accumulation without communication, as FSDP2's.
+
+        ``False``: backward passes reduce nothing; each parameter's unsharded
+        gradient accumulates locally. The next backward with ``True``
+        reduce-scatters everything accumulated. Under ``torch.compile`` the two
+        modes are separate graphs (compiled once each), not a recompile per step.
+        """
+        for unit in units_in(self, recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+            if not requires_gradient_sync:
+                for fsdp_param in unit.params:
+                    fsdp_param.prepare_gradient_accumulation()
+
+
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
         raise NotImplementedError("set_reshard_after_forward is not supported yet (issue 4)")
@@ -374,11 +385,17 @@ def _managed_param_property(name: str) -> property:
     return property(read, doc=f"Sharded parameter {name!r}; the full tensor during a sharded forward.")
 
 
+def units_in(module: nn.Module, recurse: bool = True) -> list[FSDPUnit]:
+    """The sharding units of ``module`` (and, with ``recurse``, of its subtree), each once."""
+    units: list[FSDPUnit] = []
+    for m in module.modules() if recurse else [module]:
+        unit = getattr(m, "_fsdp_unit", None)
+        if isinstance(m, FSDPModule) and unit is not None and all(u is not unit for u in units):
+            units.append(unit)
+    return units
+
+
 def managed_params(module: nn.Module) -> Iterable[FSDPParam]:
     """The FSDPParams of every unit in ``module``'s subtree (each once)."""
-    seen = set()
-    for sub in module.modules():
-        unit = getattr(sub, "_fsdp_unit", None)
-        if isinstance(sub, FSDPModule) and unit is not None and id(unit) not in seen:
-            seen.add(id(unit))
-            yield from unit.params
+    for unit in units_in(module):
+        yield from unit.params

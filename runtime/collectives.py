@@ -110,17 +110,24 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 class _AllGatherShard(torch.autograd.Function):
     """Forward: all-gather dim-0 shards into the full tensor (cast to ``param_dtype``
     first, so a bf16 policy gathers half the bytes).
-    Backward: reduce-scatter the full gradient back into the local shard with
-    ``reduce_op`` (``"avg"`` over the data-parallel group, as FSDP2), in
-    ``reduce_dtype`` (default: the gradient's), then cast to the shard's dtype."""
+
+    Backward, gradient sync on: reduce-scatter the full gradient (plus
+    ``pending``, the unsharded gradient accumulated by earlier no-sync
+    micro-batches) back into the local shard with ``reduce_op`` (``"avg"`` over
+    the data-parallel group, as FSDP2), in ``reduce_dtype``, then cast to the
+    shard's dtype. Gradient sync off: no communication; the full gradient goes
+    to ``accumulator`` (a leaf whose ``.grad`` autograd accumulates) and the
+    shard gets none.
+    """
 
     @staticmethod
-    def forward(
-        ctx, local, dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, reduce_dtype
-    ):
-        ctx.rows_per_rank, ctx.local_rows = rows_per_rank, local_rows
-        ctx.world_size, ctx.group_name, ctx.reduce_op = world_size, group_name, reduce_op
-        ctx.annotation, ctx.reduce_dtype, ctx.shard_dtype = annotation, reduce_dtype, local.dtype
+    def forward(ctx, local, pending, accumulator, meta):
+        dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, reduce_dtype = meta
+        ctx.meta, ctx.shard_dtype = meta, local.dtype
+        ctx.sync = accumulator is None
+        ctx.has_pending = pending is not None
+        if pending is not None:
+            ctx.save_for_backward(pending)
         if param_dtype is not None and param_dtype != local.dtype:
             local = local.to(param_dtype)
         padded = _pad_rows(local, rows_per_rank)
@@ -132,42 +139,57 @@ class _AllGatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):
-        with fx_annotate(_as_role(ctx.annotation, "reduce_grad")):
-            if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad_full.dtype:
-                grad_full = grad_full.to(ctx.reduce_dtype)
-            padded = _pad_rows(grad_full, ctx.rows_per_rank * ctx.world_size)
-            shard = c10d_functional.reduce_scatter_tensor(
-                padded, ctx.reduce_op, ctx.world_size, ctx.group_name
-            )
+        _, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, _, reduce_dtype = ctx.meta
+        if not ctx.sync:
+            return None, None, grad_full.to(ctx.shard_dtype), None
+        with fx_annotate(_as_role(annotation, "reduce_grad")):
+            if ctx.has_pending:
+                (pending,) = ctx.saved_tensors
+                grad_full = grad_full.to(pending.dtype) + pending
+            if reduce_dtype is not None and reduce_dtype != grad_full.dtype:
+                grad_full = grad_full.to(reduce_dtype)
+            padded = _pad_rows(grad_full, rows_per_rank * world_size)
+            shard = c10d_functional.reduce_scatter_tensor(padded, reduce_op, world_size, group_name)
             shard = c10d_functional.wait_tensor(shard)
-            if shard.shape[0] != ctx.local_rows:
-                shard = shard.narrow(0, 0, ctx.local_rows)
+            if shard.shape[0] != local_rows:
+                shard = shard.narrow(0, 0, local_rows)
             if shard.dtype != ctx.shard_dtype:
                 shard = shard.to(ctx.shard_dtype)
-        return shard, None, None, None, None, None, None, None, None, None
+        return shard, None, None, None
 
 
 class _AllReduceGrad(torch.autograd.Function):
-    """Forward: identity (the tensor is replicated). Backward: all-reduce the gradient."""
+    """Forward: identity (the tensor is replicated), cast to ``param_dtype``.
+    Backward: all-reduce the gradient (plus ``pending``), or with gradient sync
+    off, hand it to ``accumulator`` (see :class:`_AllGatherShard`)."""
 
     @staticmethod
-    def forward(ctx, local, group_name, reduce_op, annotation, param_dtype, reduce_dtype):
-        ctx.group_name, ctx.reduce_op, ctx.annotation = group_name, reduce_op, annotation
-        ctx.reduce_dtype, ctx.shard_dtype = reduce_dtype, local.dtype
+    def forward(ctx, local, pending, accumulator, meta):
+        group_name, reduce_op, annotation, param_dtype, reduce_dtype = meta
+        ctx.meta, ctx.shard_dtype = meta, local.dtype
+        ctx.sync, ctx.has_pending = accumulator is None, pending is not None
+        if pending is not None:
+            ctx.save_for_backward(pending)
         if param_dtype is not None and param_dtype != local.dtype:
             return local.to(param_dtype)
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):
-        with fx_annotate(_as_role(ctx.annotation, "reduce_grad")):
-            if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad.dtype:
-                grad = grad.to(ctx.reduce_dtype)
-            out = c10d_functional.all_reduce(grad.contiguous(), ctx.reduce_op, ctx.group_name)
+        group_name, reduce_op, annotation, _, reduce_dtype = ctx.meta
+        if not ctx.sync:
+            return None, None, grad.to(ctx.shard_dtype), None
+        with fx_annotate(_as_role(annotation, "reduce_grad")):
+            if ctx.has_pending:
+                (pending,) = ctx.saved_tensors
+                grad = grad.to(pending.dtype) + pending
+            if reduce_dtype is not None and reduce_dtype != grad.dtype:
+                grad = grad.to(reduce_dtype)
+            out = c10d_functional.all_reduce(grad.contiguous(), reduce_op, group_name)
             out = c10d_functional.wait_tensor(out)
             if out.dtype != ctx.shard_dtype:
                 out = out.to(ctx.shard_dtype)
-        return out, None, None, None, None, None
+        return out, None, None, None
 
 
 def all_gather_shard(
@@ -177,26 +199,31 @@ def all_gather_shard(
     reduce_op: str = "avg",
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    pending: torch.Tensor | None = None,
+    accumulator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full tensor from every rank's dim-0 shard; its gradient is reduce-scattered.
 
     ``local`` is this rank's unpadded shard (``layout.local_shape``);
     ``annotation`` comes from :func:`collective_annotation`; the dtypes are a
     mixed-precision policy's (``None``: keep the shard's / the gradient's).
+    Gradient accumulation: with ``accumulator`` the gradient is not reduced but
+    accumulated into ``accumulator.grad``; ``pending`` (that accumulated
+    gradient) is added before the next reduction.
     """
+    meta = (
+        layout.dim0,
+        layout.rows_per_rank,
+        layout.local_rows,
+        layout.world_size,
+        layout.group_name,
+        reduce_op,
+        annotation,
+        param_dtype,
+        reduce_dtype,
+    )
     with fx_annotate(annotation):
-        return _AllGatherShard.apply(
-            local,
-            layout.dim0,
-            layout.rows_per_rank,
-            layout.local_rows,
-            layout.world_size,
-            layout.group_name,
-            reduce_op,
-            annotation,
-            param_dtype,
-            reduce_dtype,
-        )
+        return _AllGatherShard.apply(local, pending, accumulator, meta)
 
 
 def replicate_with_grad_sync(
@@ -206,7 +233,11 @@ def replicate_with_grad_sync(
     reduce_op: str = "avg",
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    pending: torch.Tensor | None = None,
+    accumulator: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A replicated tensor whose gradient is all-reduced (used for 0-dim parameters)."""
+    """A replicated tensor whose gradient is all-reduced (used for 0-dim parameters);
+    the arguments are :func:`all_gather_shard`'s."""
+    meta = (group_name, reduce_op, annotation, param_dtype, reduce_dtype)
     with fx_annotate(annotation):
-        return _AllReduceGrad.apply(local, group_name, reduce_op, annotation, param_dtype, reduce_dtype)
+        return _AllReduceGrad.apply(local, pending, accumulator, meta)

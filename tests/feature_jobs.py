@@ -134,3 +134,32 @@ def load_checkpoint(path: str, kind: str, name: str = "llama") -> dict:
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     return _full_params(model)
+
+
+def gradient_accumulation(kind: str, backend: str | None, name: str = "llama", micro_batches: int = 4, steps: int = 2) -> dict:
+    """``steps`` optimizer steps of ``micro_batches`` micro-batches each; gradient sync only
+    on the last micro-batch of a step (``set_requires_gradient_sync``)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, units = build(name)
+    _shard(units, kind)
+    counter = CompileCounterWithBackend(backend) if backend else None
+    run = torch.compile(model, backend=counter) if counter else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, frames_after_first_step = [], None
+    for step in range(steps):
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            x, y = batch(name, step * micro_batches + micro)
+            loss = loss_fn(name, run(_local(x)), _local(y)) / micro_batches
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if step == 0 and counter:
+            frames_after_first_step = counter.frame_count
+    return {
+        "losses": losses,
+        "params": _full_params(model),
+        "frames": (frames_after_first_step, counter.frame_count) if counter else None,
+    }

@@ -70,8 +70,8 @@ def test_unsupported_options_are_not_ignored(fake_pg, kwargs, match):
 
 def test_unsupported_methods_say_so(fake_pg):
     lin = fully_shard(nn.Linear(4, 4))
-    with pytest.raises(NotImplementedError, match="gradient accumulation"):
-        lin.set_requires_gradient_sync(False)
+    with pytest.raises(NotImplementedError, match="set_modules_to_forward_prefetch"):
+        lin.set_modules_to_forward_prefetch([])
 
 
 def test_no_process_group():
