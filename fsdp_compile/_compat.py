@@ -118,6 +118,12 @@ def dynamo_graph_break_counts() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
+def saved_tensors_hooks_active() -> bool:
+    """torch/csrc/autograd: whether some saved-tensors hooks (activation checkpointing's,
+    a user's) are installed right now."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -163,4 +169,5 @@ __all__ = [
     "register_torch_log",
     "current_compile_attempt",
     "dynamo_graph_break_counts",
+    "saved_tensors_hooks_active",
 ]

@@ -70,6 +70,17 @@ class FSDPParam:
         self._unsharded: torch.Tensor | None = None
         self._regather_slot: RegatherSlot | None = None
         self._grad_accumulator: torch.Tensor | None = None
+        self.held: torch.Tensor | None = None  # gathered by FSDPModule.unshard()
+
+    def hold_unsharded(self) -> None:
+        if self.held is None:
+            if self.layout is None:
+                self.held = self.sharded_param.to_local().detach()
+            else:
+                self.held = self.regather()
+
+    def release_unsharded(self) -> None:
+        self.held = None
 
     def prepare_gradient_accumulation(self) -> None:
         """Create the leaf that collects this parameter's unsharded gradient while
@@ -114,10 +125,13 @@ class FSDPParam:
         accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
         pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
         gather = replicate_with_grad_sync if self.layout is None else all_gather_shard
+        factor = self.unit.gradient_divide_factor
         full = gather(
             local,
             self.group_name if self.layout is None else self.layout,
             annotation,
+            reduce_op="avg" if factor is None else "sum",
+            grad_scale=None if factor is None else 1.0 / factor,
             param_dtype=policy.param_dtype,
             reduce_dtype=policy.reduce_dtype,
             pending=pending,

@@ -32,6 +32,7 @@ class FSDPUnit:
     is_root: bool = True
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     requires_gradient_sync: bool = True
+    gradient_divide_factor: float | None = None  # None: average over the group
     # Path of each module from the outermost sharded module ("" for the root
     # itself); rewritten when a parent is sharded later.
     module_fqns: list = field(default_factory=list)

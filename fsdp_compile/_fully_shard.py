@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_compile._compat import tree_map
+from fsdp_compile._compat import saved_tensors_hooks_active, tree_map
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, forward_context
 from fsdp_compile.runtime.process_groups import all_gather_json
@@ -43,8 +43,13 @@ class FSDPModule:
         policy = self._fsdp_unit.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+        # Eager resharding via saved-tensor hooks, unless other hooks already manage
+        # saved tensors (activation checkpointing recomputes them anyway).
         outermost_eager = (
-            forward_context.depth == 0 and not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            forward_context.depth == 0
+            and not torch.compiler.is_compiling()
+            and torch.is_grad_enabled()
+            and not saved_tensors_hooks_active()
         )
         forward_context.enter()
         try:
@@ -61,11 +66,20 @@ class FSDPModule:
 
     # FSDP2's FSDPModule methods arrive with issue 4 (feature parity); until
     # then each one says so instead of silently doing nothing.
-    def unshard(self, async_op: bool = False):
-        raise NotImplementedError("FSDPModule.unshard() is not supported yet (FSDP2 feature parity, issue 4)")
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """Gather this unit's parameters and keep them gathered until :meth:`reshard`
+        (e.g. for generation outside the compiled training step). While held,
+        reading a parameter anywhere returns the full tensor and forwards gather
+        nothing. They are gathered without autograd: call ``reshard()`` before
+        training again. A collective: every rank must call it."""
+        for fsdp_param in self._fsdp_unit.params:
+            fsdp_param.hold_unsharded()
+        return UnshardHandle() if async_op else None
 
-    def reshard(self):
-        raise NotImplementedError("FSDPModule.reshard() is not supported yet (FSDP2 feature parity, issue 4)")
+    def reshard(self) -> None:
+        """Free the parameters gathered by :meth:`unshard`."""
+        for fsdp_param in self._fsdp_unit.params:
+            fsdp_param.release_unsharded()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Gradient accumulation without communication, as FSDP2's.
@@ -83,11 +97,22 @@ class FSDPModule:
 
 
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
-        raise NotImplementedError("set_reshard_after_forward is not supported yet (issue 4)")
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (compiled graphs holding these units recompile)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"set_reshard_after_forward({reshard_after_forward!r}): only True/False are supported"
+            )
+        for unit in units_in(self, recurse):
+            unit.reshard_after_forward = reshard_after_forward
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
-        raise NotImplementedError("set_reshard_after_backward is not supported yet (issue 4)")
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Only ``True`` (the default): gathered parameters never outlive a compiled step."""
+        if not reshard_after_backward:
+            raise NotImplementedError(
+                "set_reshard_after_backward(False): keeping parameters gathered from one step to the "
+                "next is not supported; use unshard()/reshard() around code that needs them gathered"
+            )
 
     def set_modules_to_forward_prefetch(self, modules):
         raise NotImplementedError("set_modules_to_forward_prefetch is not supported yet (issue 4)")
@@ -95,8 +120,41 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules):
         raise NotImplementedError("set_modules_to_backward_prefetch is not supported yet (issue 4)")
 
-    def set_gradient_divide_factor(self, factor: float):
-        raise NotImplementedError("set_gradient_divide_factor is not supported yet (issue 4)")
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide gradients by ``factor`` instead of averaging over the data-parallel
+        group (the reduction becomes a sum of gradients pre-divided by ``factor``)."""
+        if factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor({factor}): the factor must be positive")
+        for unit in units_in(self, recurse=False):
+            unit.gradient_divide_factor = float(factor)
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; the gather has already completed."""
+
+    def wait(self) -> None:
+        return None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) read parameters gathered, like ``forward``.
+
+    ``module`` must have been passed to :func:`fully_shard`.
+    """
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not sharded; call fully_shard first")
+    method = getattr(type(module), method_name, None)
+    if method is None:
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+
+    def sharded_method(self, *args, **kwargs):
+        forward_context.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            forward_context.exit()
+
+    setattr(module, method_name, sharded_method.__get__(module))
 
 
 def _cast_floating(tree, dtype: torch.dtype):
@@ -377,9 +435,12 @@ def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
 def _managed_param_property(name: str) -> property:
     def read(self):
         param = self._parameters[name]
+        fsdp_param = self._fsdp_params[name]
+        if fsdp_param.held is not None:
+            return fsdp_param.held  # FSDPModule.unshard() was called
         if forward_context.depth == 0:
             return param
-        return self._fsdp_params[name].unshard(param)
+        return fsdp_param.unshard(param)
 
     read.__name__ = name
     return property(read, doc=f"Sharded parameter {name!r}; the full tensor during a sharded forward.")

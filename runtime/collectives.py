@@ -122,7 +122,7 @@ class _AllGatherShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, pending, accumulator, meta):
-        dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, reduce_dtype = meta
+        dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, _, _ = meta
         ctx.meta, ctx.shard_dtype = meta, local.dtype
         ctx.sync = accumulator is None
         ctx.has_pending = pending is not None
@@ -139,7 +139,7 @@ class _AllGatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):
-        _, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, _, reduce_dtype = ctx.meta
+        _, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, _, reduce_dtype, grad_scale = ctx.meta
         if not ctx.sync:
             return None, None, grad_full.to(ctx.shard_dtype), None
         with fx_annotate(_as_role(annotation, "reduce_grad")):
@@ -148,6 +148,8 @@ class _AllGatherShard(torch.autograd.Function):
                 grad_full = grad_full.to(pending.dtype) + pending
             if reduce_dtype is not None and reduce_dtype != grad_full.dtype:
                 grad_full = grad_full.to(reduce_dtype)
+            if grad_scale is not None:
+                grad_full = grad_full * grad_scale
             padded = _pad_rows(grad_full, rows_per_rank * world_size)
             shard = c10d_functional.reduce_scatter_tensor(padded, reduce_op, world_size, group_name)
             shard = c10d_functional.wait_tensor(shard)
@@ -165,7 +167,7 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, pending, accumulator, meta):
-        group_name, reduce_op, annotation, param_dtype, reduce_dtype = meta
+        group_name, reduce_op, annotation, param_dtype, _, _ = meta
         ctx.meta, ctx.shard_dtype = meta, local.dtype
         ctx.sync, ctx.has_pending = accumulator is None, pending is not None
         if pending is not None:
@@ -176,7 +178,7 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group_name, reduce_op, annotation, _, reduce_dtype = ctx.meta
+        group_name, reduce_op, annotation, _, reduce_dtype, grad_scale = ctx.meta
         if not ctx.sync:
             return None, None, grad.to(ctx.shard_dtype), None
         with fx_annotate(_as_role(annotation, "reduce_grad")):
@@ -185,6 +187,8 @@ class _AllReduceGrad(torch.autograd.Function):
                 grad = grad.to(pending.dtype) + pending
             if reduce_dtype is not None and reduce_dtype != grad.dtype:
                 grad = grad.to(reduce_dtype)
+            if grad_scale is not None:
+                grad = grad * grad_scale
             out = c10d_functional.all_reduce(grad.contiguous(), reduce_op, group_name)
             out = c10d_functional.wait_tensor(out)
             if out.dtype != ctx.shard_dtype:
@@ -201,6 +205,7 @@ def all_gather_shard(
     reduce_dtype: torch.dtype | None = None,
     pending: torch.Tensor | None = None,
     accumulator: torch.Tensor | None = None,
+    grad_scale: float | None = None,
 ) -> torch.Tensor:
     """The full tensor from every rank's dim-0 shard; its gradient is reduce-scattered.
 
@@ -209,7 +214,8 @@ def all_gather_shard(
     mixed-precision policy's (``None``: keep the shard's / the gradient's).
     Gradient accumulation: with ``accumulator`` the gradient is not reduced but
     accumulated into ``accumulator.grad``; ``pending`` (that accumulated
-    gradient) is added before the next reduction.
+    gradient) is added before the next reduction. ``grad_scale`` multiplies the
+    gradient before the reduction (``set_gradient_divide_factor``).
     """
     meta = (
         layout.dim0,
@@ -221,6 +227,7 @@ def all_gather_shard(
         annotation,
         param_dtype,
         reduce_dtype,
+        grad_scale,
     )
     with fx_annotate(annotation):
         return _AllGatherShard.apply(local, pending, accumulator, meta)
@@ -235,9 +242,10 @@ def replicate_with_grad_sync(
     reduce_dtype: torch.dtype | None = None,
     pending: torch.Tensor | None = None,
     accumulator: torch.Tensor | None = None,
+    grad_scale: float | None = None,
 ) -> torch.Tensor:
     """A replicated tensor whose gradient is all-reduced (used for 0-dim parameters);
     the arguments are :func:`all_gather_shard`'s."""
-    meta = (group_name, reduce_op, annotation, param_dtype, reduce_dtype)
+    meta = (group_name, reduce_op, annotation, param_dtype, reduce_dtype, grad_scale)
     with fx_annotate(annotation):
         return _AllReduceGrad.apply(local, pending, accumulator, meta)

@@ -163,3 +163,51 @@ def gradient_accumulation(kind: str, backend: str | None, name: str = "llama", m
         "params": _full_params(model),
         "frames": (frames_after_first_step, counter.frame_count) if counter else None,
     }
+
+
+def module_methods() -> dict:
+    """unshard/reshard, register_fsdp_forward_method and set_gradient_divide_factor."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compile import register_fsdp_forward_method
+    from fsdp_compile.testing.models import MLPStack
+
+    class WithMethod(MLPStack):
+        def first_layer_only(self, x):
+            return F.linear(x, self.layers[0].weight, self.layers[0].bias)
+
+    torch.manual_seed(0)
+    ref = WithMethod(dim=5, n_layers=2, bias=True)
+    torch.manual_seed(0)
+    model = WithMethod(dim=5, n_layers=2, bias=True)
+    _shard([*model.layers, model])
+    x = torch.randn(3, 5)
+    out: dict = {}
+    try:
+        model.first_layer_only(x)
+        out["unregistered"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["unregistered"] = type(e).__name__
+    register_fsdp_forward_method(model, "first_layer_only")
+    out["registered_matches"] = torch.equal(model.first_layer_only(x), ref.first_layer_only(x))
+
+    for layer in model.layers:
+        layer.unshard()
+    held = model.layers[0].weight
+    out["held_is_full_plain"] = type(held) is torch.Tensor and torch.equal(held, ref.layers[0].weight)
+    with torch.no_grad():
+        out["held_forward_matches"] = torch.allclose(model(x), ref(x))
+    for layer in model.layers:
+        layer.reshard()
+    out["resharded_is_dtensor"] = isinstance(model.layers[0].weight, DTensor)
+
+    model(x).sum().backward()
+    averaged = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for layer in model.layers:
+        layer.set_gradient_divide_factor(1.0)
+    model(x).sum().backward()
+    summed = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    out["divide_factor_1_sums"] = all(torch.equal(summed[n], 2 * averaged[n]) for n in summed)
+    return out

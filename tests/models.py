@@ -58,6 +58,9 @@ def build(name: str) -> tuple[nn.Module, list]:
     if name == "llama":
         model = Llama(LlamaConfig())
         return model, llama_units(model)
+    if name == "llama_ac":
+        model = Llama(LlamaConfig(activation_checkpointing=True))
+        return model, llama_units(model)
     if name == "llama_tied_across_units":
         model = Llama(LlamaConfig())
         return model, [model.tok_embeddings, *model.layers, model]

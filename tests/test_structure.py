@@ -257,3 +257,15 @@ def test_eager_reshard_after_forward(fake_pg, reshard):
         loss.backward()
     assert backward_log.gathers == (3 if reshard else 0)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_set_reshard_after_forward_changes_the_backward_graph(fake_pg):
+    model = MLPStack(dim=16, n_layers=3)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.set_reshard_after_forward(False)
+    fw, bw = _compiled_step_graphs(model, torch.randn(2, 16, requires_grad=True), "min_cut")
+    assert collective_nodes(bw, ALL_GATHER) == [] and len(saved_all_gathers(fw)) == 3
+    with pytest.raises(NotImplementedError, match="set_reshard_after_backward"):
+        model.set_reshard_after_backward(False)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 
@@ -34,6 +35,7 @@ class LlamaConfig:
     max_seq_len: int = 64
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    activation_checkpointing: bool = False  # torch.utils.checkpoint around each decoder layer
 
 
 class RMSNorm(nn.Module):
@@ -124,6 +126,9 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            if self.cfg.activation_checkpointing:
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
         return self.output(self.norm(h))
 
