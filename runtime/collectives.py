@@ -107,6 +107,27 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((missing, *t.shape[1:]))])
 
 
+def _remember_gradient_mode(ctx, meta, local, pending, accumulator) -> None:
+    """What backward needs: the shard's dtype, whether to reduce, the pending sum."""
+    ctx.meta, ctx.shard_dtype = meta, local.dtype
+    ctx.sync, ctx.has_pending = accumulator is None, pending is not None
+    if pending is not None:
+        ctx.save_for_backward(pending)
+
+
+def _gradient_to_reduce(ctx, grad, reduce_dtype, grad_scale):
+    """The gradient as it enters the reduction: plus the gradient accumulated without
+    sync, in ``reduce_dtype``, pre-scaled by ``grad_scale``."""
+    if ctx.has_pending:
+        (pending,) = ctx.saved_tensors
+        grad = grad.to(pending.dtype) + pending
+    if reduce_dtype is not None and reduce_dtype != grad.dtype:
+        grad = grad.to(reduce_dtype)
+    if grad_scale is not None:
+        grad = grad * grad_scale
+    return grad
+
+
 class _AllGatherShard(torch.autograd.Function):
     """Forward: all-gather dim-0 shards into the full tensor (cast to ``param_dtype``
     first, so a bf16 policy gathers half the bytes).
@@ -123,11 +144,7 @@ class _AllGatherShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, pending, accumulator, meta):
         dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, _, _ = meta
-        ctx.meta, ctx.shard_dtype = meta, local.dtype
-        ctx.sync = accumulator is None
-        ctx.has_pending = pending is not None
-        if pending is not None:
-            ctx.save_for_backward(pending)
+        _remember_gradient_mode(ctx, meta, local, pending, accumulator)
         if param_dtype is not None and param_dtype != local.dtype:
             local = local.to(param_dtype)
         padded = _pad_rows(local, rows_per_rank)
@@ -143,13 +160,7 @@ class _AllGatherShard(torch.autograd.Function):
         if not ctx.sync:
             return None, None, grad_full.to(ctx.shard_dtype), None
         with fx_annotate(_as_role(annotation, "reduce_grad")):
-            if ctx.has_pending:
-                (pending,) = ctx.saved_tensors
-                grad_full = grad_full.to(pending.dtype) + pending
-            if reduce_dtype is not None and reduce_dtype != grad_full.dtype:
-                grad_full = grad_full.to(reduce_dtype)
-            if grad_scale is not None:
-                grad_full = grad_full * grad_scale
+            grad_full = _gradient_to_reduce(ctx, grad_full, reduce_dtype, grad_scale)
             padded = _pad_rows(grad_full, rows_per_rank * world_size)
             shard = c10d_functional.reduce_scatter_tensor(padded, reduce_op, world_size, group_name)
             shard = c10d_functional.wait_tensor(shard)
@@ -168,10 +179,7 @@ class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, pending, accumulator, meta):
         group_name, reduce_op, annotation, param_dtype, _, _ = meta
-        ctx.meta, ctx.shard_dtype = meta, local.dtype
-        ctx.sync, ctx.has_pending = accumulator is None, pending is not None
-        if pending is not None:
-            ctx.save_for_backward(pending)
+        _remember_gradient_mode(ctx, meta, local, pending, accumulator)
         if param_dtype is not None and param_dtype != local.dtype:
             return local.to(param_dtype)
         return local.view_as(local)
@@ -182,13 +190,7 @@ class _AllReduceGrad(torch.autograd.Function):
         if not ctx.sync:
             return None, None, grad.to(ctx.shard_dtype), None
         with fx_annotate(_as_role(annotation, "reduce_grad")):
-            if ctx.has_pending:
-                (pending,) = ctx.saved_tensors
-                grad = grad.to(pending.dtype) + pending
-            if reduce_dtype is not None and reduce_dtype != grad.dtype:
-                grad = grad.to(reduce_dtype)
-            if grad_scale is not None:
-                grad = grad * grad_scale
+            grad = _gradient_to_reduce(ctx, grad, reduce_dtype, grad_scale)
             out = c10d_functional.all_reduce(grad.contiguous(), reduce_op, group_name)
             out = c10d_functional.wait_tensor(out)
             if out.dtype != ctx.shard_dtype:
