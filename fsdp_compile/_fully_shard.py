@@ -46,8 +46,8 @@ class FSDPModule:
         # Eager resharding via saved-tensor hooks, unless other hooks already manage
         # saved tensors (activation checkpointing recomputes them anyway).
         outermost_eager = (
-            forward_context.depth == 0
-            and not torch.compiler.is_compiling()
+            not torch.compiler.is_compiling()  # first: Dynamo folds it, and skips the rest
+            and forward_context.depth == 0
             and torch.is_grad_enabled()
             and not saved_tensors_hooks_active()
         )

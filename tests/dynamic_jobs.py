@@ -38,7 +38,9 @@ def variable_lengths(kind: str = "ours", backend: str = "aot_eager", per_rank_le
     ``per_rank_lengths``: ranks see different lengths in the same step (rank 1: 8 tokens fewer).
     """
     from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
 
+    counters.clear()  # graph-break counts are process-wide; count this run's only
     compiled_model, eager_model = _model(kind), _model(kind)
     counter = CompileCounterWithBackend(backend)
     run = torch.compile(compiled_model, backend=counter, dynamic=True if mark == "dynamic" else None)
@@ -66,8 +68,6 @@ def variable_lengths(kind: str = "ours", backend: str = "aot_eager", per_rank_le
         compiled_model.zero_grad()
         eager_model.zero_grad()
         frames_by_step.append(counter.frame_count)
-    from torch._dynamo.utils import counters
-
     nonempty = [g for g in counter.graphs if any(n.op == "call_function" for n in g.graph.nodes)]
     return {
         "graphs": len(nonempty),
