@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     layer_mib = rows[0][1][0]["layer_mib"]
     print(f"\n{args.layers}-layer {args.dim}-wide bias-free MLP, batch {args.batch}/rank, 2 ranks; "
           f"one gathered layer = {layer_mib:.0f} MiB\n")
-    print(f"| setup | kept after forward, MiB (layers) rank0 / rank1 | step peak, MiB rank0 / rank1 |")
+    print("| setup | kept after forward, MiB (layers) rank0 / rank1 | step peak, MiB rank0 / rank1 |")
     print("|---|---|---|")
     for label, per_rank in rows:
         kept = " / ".join(f"{r['kept_mib']:.0f} ({r['kept_mib'] / layer_mib:.1f})" for r in per_rank)

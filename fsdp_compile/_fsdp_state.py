@@ -12,7 +12,6 @@ side effect; nothing of them survives into the next step.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch

@@ -69,7 +69,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
             from fsdp_compile.passes.cost_model import choose_bucket_cap
 
             cap = choose_bucket_cap(graph, config.hardware_profile)
-        buckets = bucket_collectives(graph, cap)
+        bucket_collectives(graph, cap)
         debug.record_graph(folder, "1_bucketing", graph)
     if config.reorder:
         reorder_for_overlap(

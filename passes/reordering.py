@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.fx as fx
 
 from fsdp_compile.passes.graph_utils import (

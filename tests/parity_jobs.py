@@ -89,7 +89,6 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
         model.train()
         train_step(steps)
     record["frames"] = counter.frame_count if counter else None
-    record["param_types"] = {fqn: type(p).__name__ for fqn, p in model.named_parameters()}
     return record
 
 

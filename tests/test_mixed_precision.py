@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests import parity_jobs
 from tests.test_parity import _assert_records_equal

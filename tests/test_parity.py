@@ -57,10 +57,6 @@ def _assert_records_equal(a: dict, b: dict, *, exact: bool, rtol=1e-5, atol=1e-6
         check(a["eval_out"], b["eval_out"], lambda m: f"{what} eval output: {m}")
 
 
-def _params(name):
-    return pytest.mark.parametrize("results", [name], indirect=True)
-
-
 @pytest.mark.parametrize("results", list(CASES), indirect=True)
 def test_compiled_aot_eager_is_bitwise_equal_to_eager(results):
     _assert_records_equal(results["ours-eager"], results["ours-aot_eager"], exact=True, what="aot_eager vs eager")

@@ -96,7 +96,6 @@ def test_registration_chains_with_a_user_pass_and_is_idempotent():
 
 
 # ---------------------------------------------------------------- post-grad passes
-import copy  # noqa: E402
 
 import pytest  # noqa: E402
 

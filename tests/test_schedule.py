@@ -8,7 +8,6 @@ all-gather and the last reduce-scatter has compute between its issue and wait.
 
 from __future__ import annotations
 
-import pytest
 
 from fsdp_compile.testing._output_code import collectives_in_output_code
 from tests import schedule_jobs

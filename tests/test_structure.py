@@ -13,7 +13,7 @@ import fsdp_compile
 from fsdp_compile import FSDPModule, fully_shard
 from fsdp_compile._compat import c10d_functional
 from fsdp_compile.testing import GraphCapture, collective_nodes, saved_all_gathers
-from tests.models import Llama, LlamaConfig, MLPStack, Zoo, build, zoo_units
+from tests.models import Llama, LlamaConfig, MLPStack, build
 
 ALL_GATHER = c10d_functional.all_gather_into_tensor
 REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor
