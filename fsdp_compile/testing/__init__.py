@@ -1,6 +1,11 @@
-"""Test utilities for sharded models: a persistent multi-rank worker pool and graph capture."""
+"""Test utilities for sharded models: the parity harness, a persistent multi-rank
+worker pool, graph capture, and small reference models."""
 
 from fsdp_compile.testing._graphs import GraphCapture, collective_nodes, saved_all_gathers
+from fsdp_compile.testing._parity import ParityError, ParityReport, assert_parity
 from fsdp_compile.testing._rank_pool import RankFailure, RankPool
 
-__all__ = ["RankPool", "RankFailure", "GraphCapture", "collective_nodes", "saved_all_gathers"]
+__all__ = [
+    "assert_parity",
+    "ParityError",
+    "ParityReport","RankPool", "RankFailure", "GraphCapture", "collective_nodes", "saved_all_gathers"]

@@ -1,0 +1,146 @@
+"""``assert_parity``: does my compiled sharded model train like eager and like the reference?
+
+    from fsdp_compile.testing import assert_parity
+
+    assert_parity(my_models.build, my_data.batch, my_losses.mse, shard_fn=my_models.shard)
+
+starts ``world_size`` CPU ranks (gloo) itself, trains every variant on the same
+global batches (each rank its slice of dim 0) and compares the full parameters
+and the global loss after every optimizer step against the reference. The
+callables run on the ranks, so they must be importable module-level functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+class ParityError(AssertionError):
+    """A variant drifted from the reference: names the step, the parameter and the gap."""
+
+
+@dataclass
+class ParityReport:
+    """Largest gap to the reference per variant (loss and parameters, all steps)."""
+
+    max_param_gap: dict[str, float] = field(default_factory=dict)
+    max_loss_gap: dict[str, float] = field(default_factory=dict)
+
+
+def _default_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant: str, steps: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = model_fn()
+    sharded = variant != "reference"
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        shard_fn(model, torch_fully_shard)
+    elif sharded:
+        from fsdp_compile import fully_shard
+
+        shard_fn(model, fully_shard)
+    backend = variant.split(":", 1)[1] if variant.startswith("ours:") else None
+    run = model if backend in (None, "eager") else torch.compile(model, backend=backend)
+    opt = optimizer_fn(model.parameters())
+    losses, params = [], []
+    for step in range(steps):
+        inputs, targets = batch_fn(step)
+        if sharded:
+            inputs, targets = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
+        loss = loss_fn(run(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(value)
+            value /= world_size
+        losses.append(value.item())
+        params.append(
+            {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+        )
+    return {"losses": losses, "params": params}
+
+
+def _train_all(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps) -> dict:
+    return {v: _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, v, steps) for v in variants}
+
+
+def _shard_root_only(model, fully_shard) -> None:
+    fully_shard(model)
+
+
+def assert_parity(
+    model_fn: Callable[[], torch.nn.Module],
+    batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    shard_fn: Callable = _shard_root_only,
+    optimizer_fn: Callable = _default_optimizer,
+    world_size: int = 2,
+    steps: int = 3,
+    backends: tuple[str, ...] = ("eager", "aot_eager", "inductor"),
+    reference: str = "single_process",
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    pool=None,
+) -> ParityReport:
+    """Train ``fsdp_compile`` variants (one per backend) and compare them with ``reference``.
+
+    Args:
+        model_fn: builds the unsharded model, identically on every rank (seed inside).
+        batch_fn: ``step -> (inputs, targets)``, the *global* batch (same on every rank).
+        loss_fn: ``(output, targets) -> loss`` (a mean over the local batch).
+        shard_fn: ``(model, fully_shard) -> None`` applies the given ``fully_shard``
+            (ours, or torch's for ``reference="fsdp2"``) to the model's units.
+        reference: ``"single_process"`` (the unsharded model on the global batch)
+            or ``"fsdp2"`` (torch's FSDP2 with the same ``shard_fn``).
+        pool: a running :class:`RankPool` to reuse; by default one is started and closed.
+
+    Raises:
+        ParityError: naming the first step and parameter (or the loss) that differs
+            beyond ``rtol``/``atol``, and the size of the gap.
+    """
+    from fsdp_compile.testing._rank_pool import RankPool
+
+    if reference not in ("single_process", "fsdp2"):
+        raise ValueError(f"reference={reference!r}: expected 'single_process' or 'fsdp2'")
+    reference_variant = "reference" if reference == "single_process" else "fsdp2"
+    variants = [reference_variant, *(f"ours:{b}" for b in backends)]
+    own_pool = pool is None
+    pool = pool or RankPool(world_size)
+    try:
+        results = pool.run(_train_all, model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps)[0]
+    finally:
+        if own_pool:
+            pool.close()
+    expected = results[reference_variant]
+    report = ParityReport()
+    for variant in variants[1:]:
+        got = results[variant]
+        report.max_loss_gap[variant] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+        report.max_param_gap[variant] = 0.0
+        for step in range(steps):
+            a, b = got["losses"][step], expected["losses"][step]
+            if abs(a - b) > atol + rtol * abs(b):
+                raise ParityError(f"{variant}: loss at step {step} is {a!r}, {reference} has {b!r} (gap {abs(a - b):.3g})")
+            for fqn, ref_value in expected["params"][step].items():
+                value = got["params"][step][fqn]
+                gap = (value - ref_value).abs().max().item() if value.numel() else 0.0
+                report.max_param_gap[variant] = max(report.max_param_gap[variant], gap)
+                if not torch.allclose(value, ref_value, rtol=rtol, atol=atol):
+                    raise ParityError(
+                        f"{variant}: parameter {fqn!r} after step {step} differs from {reference} by up to "
+                        f"{gap:.3g} (rtol={rtol}, atol={atol})"
+                    )
+    return report
