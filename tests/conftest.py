@@ -1,4 +1,5 @@
-"""Shared fixtures: one persistent pool of 2 gloo ranks for the whole session."""
+"""Shared fixtures: one persistent pool of 2 gloo ranks for the whole session
+(from our own pytest plugin, the one users get), and a fake world of 8."""
 
 from __future__ import annotations
 
@@ -8,15 +9,12 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+pytest_plugins = ["fsdp_compile.testing.pytest_plugin"]
+
 
 @pytest.fixture(scope="session")
-def pool2():
-    from fsdp_compile.testing import RankPool
-
-    pool = RankPool(2, backend="gloo")
-    pool.start()
-    yield pool
-    pool.close()
+def pool2(rank_pool):
+    return rank_pool
 
 
 @pytest.fixture()

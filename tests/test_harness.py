@@ -36,3 +36,10 @@ def test_a_gap_is_reported_with_step_and_parameter(pool2):
             atol=0,
             pool=pool2,
         )
+
+
+def test_pytest_plugin_pools_by_world_size(rank_pools):
+    from tests import error_jobs
+
+    assert rank_pools(2).run(error_jobs.rank_and_world) == [(0, 2), (1, 2)]
+    assert rank_pools(2) is rank_pools(2)

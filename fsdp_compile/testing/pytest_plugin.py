@@ -1,0 +1,42 @@
+"""pytest plugin: persistent rank pools as fixtures.
+
+Enable with ``pytest_plugins = ["fsdp_compile.testing.pytest_plugin"]`` in a
+``conftest.py``, then::
+
+    def test_something(rank_pool):                 # 2 gloo ranks for the session
+        results = rank_pool.run(my_module.check)   # check() runs on every rank
+
+    def test_four(rank_pools):
+        rank_pools(4).run(my_module.check)         # a 4-rank pool, started once
+
+Functions sent to the ranks must be importable module-level callables.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_compile.testing._rank_pool import RankPool
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """``rank_pools(world_size, backend="gloo")``: a pool per size, kept for the session."""
+    pools: dict[tuple[int, str], RankPool] = {}
+
+    def get(world_size: int = 2, backend: str = "gloo") -> RankPool:
+        key = (world_size, backend)
+        if key not in pools:
+            pools[key] = RankPool(world_size, backend=backend)
+            pools[key].start()
+        return pools[key]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def rank_pool(rank_pools) -> RankPool:
+    """2 gloo ranks for the whole session."""
+    return rank_pools(2)
