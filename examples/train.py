@@ -3,6 +3,7 @@
     python examples/train.py                 # starts 2 CPU ranks itself (gloo)
     torchrun --nproc-per-node 8 examples/train.py --dim 1024 --layers 16   # GPUs: NCCL
     python examples/train.py --steps 3 --dump dump/  # every compile stage + collectives report
+    python examples/train.py --bf16 --steps 5 --save ckpt/ && python examples/train.py --resume ckpt/
 
 Each decoder layer is one sharding unit and the root holds the embeddings,
 final norm and (tied) output projection, as with FSDP2. Synthetic tokens that follow a fixed rule (so the loss falls);
@@ -37,7 +38,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="CPU ranks to start when not under torchrun")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", metavar="DIR", help="write every compile stage and a collectives report (fsdp_compile.debug.dump)")
-    return p.parse_args(argv)
+    p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 parameters/gathers, fp32 gradient reduction")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="torch.utils.checkpoint around each decoder layer (eager only: needs --compile-backend eager)",
+    )
+    p.add_argument("--save", metavar="DIR", help="save model + optimizer with DCP after the last step")
+    p.add_argument("--resume", metavar="DIR", help="resume model + optimizer + step from a --save checkpoint")
+    args = p.parse_args(argv)
+    if args.activation_checkpointing and args.compile_backend != "eager":
+        p.error("--activation-checkpointing is not supported under torch.compile yet; add --compile-backend eager")
+    return args
 
 
 def synthetic_tokens(batch: int, length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -59,7 +71,7 @@ def train(args: argparse.Namespace) -> list[float]:
 
 
 def _train(args: argparse.Namespace) -> list[float]:
-    from fsdp_compile import fully_shard
+    from fsdp_compile import MixedPrecisionPolicy, fully_shard
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -71,18 +83,22 @@ def _train(args: argparse.Namespace) -> list[float]:
         n_heads=args.heads,
         ffn_dim=args.dim * 8 // 3,
         max_seq_len=args.seq_len,
+        activation_checkpointing=args.activation_checkpointing,
     )
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = Llama(cfg).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     step_fn = model if args.compile_backend == "eager" else torch.compile(model, backend=args.compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    data = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batches
+    first_step = load_checkpoint(args.resume, model, opt) if args.resume else 0
 
-    losses = []
-    for step in range(args.steps):
+    losses, step_times = [], []
+    for step in range(first_step, first_step + args.steps):
+        # Each (step, rank) has its own batch, so a resumed run sees the same data.
+        data = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 7919 + rank)
         tokens = synthetic_tokens(args.batch_size, args.seq_len + 1, cfg.vocab_size, data).to(device)
         start = time.perf_counter()
         logits = step_fn(tokens[:, :-1])
@@ -95,15 +111,46 @@ def _train(args: argparse.Namespace) -> list[float]:
         reported /= world_size
         elapsed = time.perf_counter() - start
         losses.append(reported.item())
+        step_times.append(elapsed)
         if rank == 0:
-            note = " (includes compilation)" if step == 0 and args.compile_backend != "eager" else ""
+            first = step == first_step
+            note = " (includes compilation)" if first and args.compile_backend != "eager" else ""
             n_tokens = args.batch_size * args.seq_len * world_size
+            typical = sorted(step_times[1:] or step_times)[len(step_times[1:] or step_times) // 2]
+            eta = typical * (first_step + args.steps - step - 1)
             print(
                 f"step {step:3d}  loss {losses[-1]:.4f}  step time {elapsed * 1000:8.1f} ms  "
-                f"{n_tokens / elapsed:9.0f} tokens/s{note}",
+                f"{n_tokens / elapsed:9.0f} tokens/s  ETA {eta:6.1f} s{note}",
                 flush=True,
             )
+    if args.save:
+        save_checkpoint(args.save, model, opt, first_step + args.steps)
     return losses
+
+
+def save_checkpoint(path: str, model, opt, next_step: int) -> None:
+    """Model + optimizer (sharded, DCP) and the step to resume from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(next_step)}, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        print(f"saved checkpoint to {path} (resume at step {next_step})", flush=True)
+
+
+def load_checkpoint(path: str, model, opt) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    step = int(state["step"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} at step {step}", flush=True)
+    return step
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
@@ -118,6 +165,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespac
     )
     try:
         train(args)
+        dist.barrier()  # no rank tears down gloo while a peer is still talking to it
     finally:
         dist.destroy_process_group()
 
@@ -131,6 +179,7 @@ def main(argv=None) -> None:
         dist.init_process_group("nccl" if use_cuda else "gloo")
         try:
             train(args)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         return
