@@ -35,3 +35,15 @@ def test_train_save_resume_continues_exactly(tmp_path):
 def test_train_bf16_and_activation_checkpointing_run():
     assert len(_train("--steps", "2", "--bf16")) == 2
     assert len(_train("--steps", "1", "--activation-checkpointing", "--compile-backend", "eager")) == 1
+
+
+def test_hf_llama_example_trains():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_llama.py"), "--steps", "2", "--compile-backend", "aot_eager"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(re.findall(r"^step \d+  loss \d+\.\d+", done.stdout, re.M)) == 2
