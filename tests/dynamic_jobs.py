@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fsdp_compile.testing import full_tensor
+
 LENGTHS = [16, 24, 40, 64, 96, 128, 200, 256]
 
 
@@ -62,8 +64,8 @@ def variable_lengths(kind: str = "ours", backend: str = "aot_eager", per_rank_le
         loss_e = F.cross_entropy(eager_model(inputs).flatten(0, 1), targets.flatten())
         loss_e.backward()
         gaps.append(abs(loss_c.item() - loss_e.item()))
-        grads_c = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in compiled_model.parameters()]
-        grads_e = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in eager_model.parameters()]
+        grads_c = [full_tensor(p.grad) for p in compiled_model.parameters()]
+        grads_e = [full_tensor(p.grad) for p in eager_model.parameters()]
         gaps.append(max((a - b).abs().max().item() for a, b in zip(grads_c, grads_e)))
         compiled_model.zero_grad()
         eager_model.zero_grad()

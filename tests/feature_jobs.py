@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fsdp_compile.testing import full_parameters as _full_params
+from fsdp_compile.testing import full_tensor, global_mean
 from tests.models import batch, build, loss_fn
 
 
@@ -28,15 +30,7 @@ def _step(model, run, opt, name: str, step: int, clip: float | None = None):
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip is not None else None
     opt.step()
     opt.zero_grad()
-    value = loss.detach().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size(), norm
-
-
-def _full_params(model) -> dict:
-    from torch.distributed.tensor import DTensor
-
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return global_mean(loss), norm
 
 
 def meta_init_matches_eager_init(name: str = "llama", steps: int = 3) -> dict:
@@ -75,9 +69,7 @@ def clip_grad_norm_matches_reference(name: str = "mlp", max_norm: float = 0.01) 
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     ref_opt.step()
     _, norm = _step(model, torch.compile(model, backend="inductor"), opt, name, 0, clip=max_norm)
-    from torch.distributed.tensor import DTensor
-
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norm = full_tensor(norm)
     return {"ref_norm": ref_norm, "norm": norm, "ref": {n: p.detach().clone() for n, p in ref.named_parameters()}, "ours": _full_params(model)}
 
 

@@ -5,15 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fsdp_compile.testing import full_parameters, global_mean
 from tests.models import batch, build, loss_fn
 
 COMPILE_BACKENDS = {"ours-eager": None, "ours-aot_eager": "aot_eager", "ours-inductor": "inductor", "fsdp2": None}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 MIXED_PRECISION = {
@@ -66,12 +61,8 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
         loss.backward()
         opt.step()
         opt.zero_grad()
-        value = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(value)
-            value /= world_size
-        record["loss"].append(value.item())
-        record["params"].append({fqn: _full(p) for fqn, p in model.named_parameters()})
+        record["loss"].append(global_mean(loss) if sharded else loss.item())
+        record["params"].append(full_parameters(model))
         record["buffers"].append({fqn: b.detach().clone() for fqn, b in model.named_buffers()})
 
     for step in range(steps):

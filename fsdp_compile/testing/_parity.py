@@ -36,7 +36,8 @@ def _default_optimizer(params):
 
 def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant: str, steps: int) -> dict:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+
+    from fsdp_compile.testing._tensors import full_parameters, global_mean
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = model_fn()
@@ -61,14 +62,8 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        value = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(value)
-            value /= world_size
-        losses.append(value.item())
-        params.append(
-            {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
-        )
+        losses.append(global_mean(loss) if sharded else loss.item())
+        params.append(full_parameters(model))
     return {"losses": losses, "params": params}
 
 
