@@ -10,7 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from fsdp_compile import debug
 from fsdp_compile._compat import register_torch_log
 from fsdp_compile._fsdp_param import FSDPParam
-from fsdp_compile._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fsdp_compile._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, replicate
 from fsdp_compile.passes.registration import install_passes
 
 install_passes()
@@ -19,6 +19,7 @@ debug._dump_from_environment()
 
 __all__ = [
     "fully_shard",
+    "replicate",
     "FSDPModule",
     "FSDPParam",
     "MixedPrecisionPolicy",

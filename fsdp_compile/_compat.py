@@ -143,6 +143,12 @@ def group_name_of(group: torch.distributed.ProcessGroup) -> str:
     return group.group_name
 
 
+def flat_group_of(mesh) -> torch.distributed.ProcessGroup:
+    """One process group over all ranks of a multi-dimensional ``DeviceMesh``
+    (``DeviceMesh._flatten``, private in torch 2.13)."""
+    return mesh._flatten().get_group()
+
+
 def register_fake_process_group() -> None:
     """torch/testing/_internal/distributed/fake_pg.py registers backend "fake"."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
@@ -156,6 +162,7 @@ __all__ = [
     "set_joint_custom_pass",
     "is_backward_node",
     "group_name_of",
+    "flat_group_of",
     "register_fake_process_group",
     "detect_fake_mode",
     "tree_map",

@@ -18,9 +18,8 @@ import warnings
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from fsdp_compile._compat import group_name_of
 from fsdp_compile._fsdp_state import RegatherSlot, forward_context
 from fsdp_compile.runtime.collectives import (
     ShardLayout,
@@ -46,21 +45,26 @@ class FSDPParam:
         self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
         self.mesh = mesh
-        self.group_name = group_name_of(mesh.get_group())
+        dp = unit.dp_mesh
         self.orig_dtype = param.dtype
-        world_size, rank = mesh.size(), mesh.get_local_rank()
         data = param.detach()
-        if data.ndim == 0:
-            self.layout = None
+        if data.ndim == 0 or not dp.shards:
+            self.layout = None  # replicated: gradient all-reduced
             local = data.clone()
-            placements = [Replicate()]
         else:
-            self.layout = ShardLayout(tuple(data.shape), world_size, rank, self.group_name)
-            start = min(rank * self.layout.rows_per_rank, data.shape[0])
+            self.layout = ShardLayout(tuple(data.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
+            start = min(dp.shard_rank * self.layout.rows_per_rank, data.shape[0])
             local = data.narrow(0, start, self.layout.local_rows).clone()
-            placements = [Shard(0)]
+        self.replicate_group_name = dp.replicate_group_name
+        self.allreduce_group_names = dp.reduce_group_names(sharded_dim0=self.layout is not None)
+        local = unit.offload.to_storage(local)
         dtensor = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=data.shape, stride=_contiguous_stride(data.shape)
+            local,
+            mesh,
+            dp.placements(sharded_dim0=self.layout is not None),
+            run_check=False,
+            shape=data.shape,
+            stride=_contiguous_stride(data.shape),
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         # Carry over attributes users hang on parameters (e.g. ``_no_weight_decay``).
@@ -75,7 +79,7 @@ class FSDPParam:
     def hold_unsharded(self) -> None:
         if self.held is None:
             if self.layout is None:
-                self.held = self.sharded_param.to_local().detach()
+                self.held = self.unit.offload.to_compute(self.sharded_param.to_local().detach())
             else:
                 self.held = self.regather()
 
@@ -115,12 +119,18 @@ class FSDPParam:
         """
         if self._unsharded is not None:
             return self._unsharded
+        unit = self.unit
         annotation = collective_annotation(
-            "unshard", self.fqn, self.unit.fqn, self.unit.resolved_reshard_after_forward()
+            "unshard",
+            self.fqn,
+            unit.fqn,
+            unit.resolved_reshard_after_forward(),
+            None if unit.forward_prefetched_by is None else unit.forward_prefetched_by.fqn,
+            None if unit.backward_prefetched_by is None else unit.backward_prefetched_by.fqn,
         )
         if forward_context.in_broken_graph():
             warn_graph_break(self)
-        local = sharded_param.to_local()
+        local = self.unit.offload.to_compute(sharded_param.to_local())
         policy = self.unit.mp_policy
         accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
         pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
@@ -128,7 +138,7 @@ class FSDPParam:
         factor = self.unit.gradient_divide_factor
         full = gather(
             local,
-            self.group_name if self.layout is None else self.layout,
+            self.allreduce_group_names if self.layout is None else self.layout,
             annotation,
             reduce_op="avg" if factor is None else "sum",
             grad_scale=None if factor is None else 1.0 / factor,
@@ -136,6 +146,7 @@ class FSDPParam:
             reduce_dtype=policy.reduce_dtype,
             pending=pending,
             accumulator=accumulator,
+            **({} if self.layout is None else {"replicate_group_name": self.replicate_group_name}),
         )
         self._unsharded = full
         forward_context.note_gathered(self, full)
@@ -146,7 +157,7 @@ class FSDPParam:
         annotation = collective_annotation("regather", self.fqn, self.unit.fqn, True)
         with torch.no_grad():
             return all_gather_shard(
-                self.sharded_param.to_local(), self.layout, annotation, param_dtype=self.unit.mp_policy.param_dtype
+                self.unit.offload.to_compute(self.sharded_param.to_local()), self.layout, annotation, param_dtype=self.unit.mp_policy.param_dtype
             )
 
     def regather_slot(self) -> RegatherSlot:

@@ -35,10 +35,22 @@ class FSDPUnit:
     # Path of each module from the outermost sharded module ("" for the root
     # itself); rewritten when a parent is sharded later.
     module_fqns: list = field(default_factory=list)
+    dp_mesh: object = None  # runtime.process_groups.DataParallelMesh; built from mesh if None
+    offload: "ShardPlacement" = None  # where shards live and where they are computed on
+    # The units whose forward / backward issues this unit's all-gather
+    # (FSDPModule.set_modules_to_forward_prefetch / _backward_prefetch hints).
+    forward_prefetched_by: "FSDPUnit | None" = field(default=None, repr=False)
+    backward_prefetched_by: "FSDPUnit | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        from fsdp_compile.runtime.process_groups import DataParallelMesh
+
         if not self.module_fqns:
             self.module_fqns = [""] * len(self.modules)
+        if self.dp_mesh is None:
+            self.dp_mesh = DataParallelMesh(self.mesh)
+        if self.offload is None:
+            self.offload = ShardPlacement(compute_device(self.mesh), offload_to_cpu=False)
 
     @property
     def module(self) -> nn.Module:
@@ -57,6 +69,50 @@ class FSDPUnit:
         if self.reshard_after_forward is None:
             return not self.is_root
         return self.reshard_after_forward
+
+
+def compute_device(mesh: DeviceMesh) -> torch.device:
+    """The device the mesh's ranks compute on (for CPU meshes, the CPU)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+@dataclass
+class ShardPlacement:
+    """Where sharded parameters (and so their gradients and optimizer state) are
+    stored, and where they are computed on: FSDP2's ``CPUOffloadPolicy``.
+
+    With offload the shard lives on the CPU (pinned when ``pin_memory`` and an
+    accelerator are present) and is copied to ``compute_device`` right before
+    its all-gather; the gradient comes back to the CPU through the copy's
+    autograd. When both are the same device, nothing is copied, so no copy
+    appears in the compiled graph.
+    """
+
+    compute_device: torch.device
+    offload_to_cpu: bool
+    pin_memory: bool = False
+
+    @property
+    def storage_device(self) -> torch.device:
+        return torch.device("cpu") if self.offload_to_cpu else self.compute_device
+
+    def to_storage(self, t: torch.Tensor) -> torch.Tensor:
+        """A shard as created at ``fully_shard`` time, moved to its storage device
+        (meta shards stay on meta until ``to_empty``)."""
+        if t.device.type == "meta" or not self.offload_to_cpu:
+            return t
+        t = t.to("cpu")
+        if self.pin_memory and self.compute_device.type != "cpu":
+            t = t.pin_memory()
+        return t
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """The shard on the compute device (identity unless offloaded elsewhere)."""
+        if t.device == self.compute_device or t.device.type == "meta":
+            return t
+        return t.to(self.compute_device, non_blocking=self.pin_memory)
 
 
 class _ForwardContext:

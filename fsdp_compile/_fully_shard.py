@@ -20,10 +20,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_compile._compat import saved_tensors_hooks_active, tree_map
+from fsdp_compile._compat import flat_group_of, saved_tensors_hooks_active, tree_map
 from fsdp_compile._fsdp_param import FSDPParam
-from fsdp_compile._fsdp_state import FSDPUnit, forward_context
-from fsdp_compile.runtime.process_groups import all_gather_json
+from fsdp_compile._fsdp_state import FSDPUnit, ShardPlacement, compute_device, forward_context
+from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
 # Set on an original (unsharded) nn.Parameter once it is sharded, so that a
 # module still holding the original object (a tied weight in another unit)
@@ -64,8 +64,6 @@ class FSDPModule:
             output = _cast_floating(output, policy.output_dtype)
         return output
 
-    # FSDP2's FSDPModule methods arrive with issue 4 (feature parity); until
-    # then each one says so instead of silently doing nothing.
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """Gather this unit's parameters and keep them gathered until :meth:`reshard`
         (e.g. for generation outside the compiled training step). While held,
@@ -114,11 +112,39 @@ class FSDPModule:
                 "next is not supported; use unshard()/reshard() around code that needs them gathered"
             )
 
-    def set_modules_to_forward_prefetch(self, modules):
-        raise NotImplementedError("set_modules_to_forward_prefetch is not supported yet (issue 4)")
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Issue the all-gathers of ``modules`` when this unit's forward starts (FSDP2's
+        explicit forward prefetch), instead of the default one-unit-ahead prefetch.
 
-    def set_modules_to_backward_prefetch(self, modules):
-        raise NotImplementedError("set_modules_to_backward_prefetch is not supported yet (issue 4)")
+        A hint to the reordering pass of compiled graphs: each listed unit's
+        all-gather is issued right before this unit's all-gather is waited on, so
+        it overlaps this unit's forward. It overrides ``max_inflight_bytes`` for
+        those units and is ignored (logged) where the listed unit's all-gather
+        comes before this unit's. Eager runs gather on first use as before.
+        Changing hints recompiles graphs holding these units.
+        """
+        for unit in self._prefetch_targets("set_modules_to_forward_prefetch", modules):
+            unit.forward_prefetched_by = self._fsdp_unit
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """Issue the backward all-gathers (re-gathers after ``reshard_after_forward``) of
+        ``modules`` when this unit's backward starts; see
+        :meth:`set_modules_to_forward_prefetch`."""
+        for unit in self._prefetch_targets("set_modules_to_backward_prefetch", modules):
+            unit.backward_prefetched_by = self._fsdp_unit
+
+    def _prefetch_targets(self, method: str, modules) -> list[FSDPUnit]:
+        units = []
+        for m in modules:
+            if not isinstance(m, FSDPModule):
+                raise ValueError(
+                    f"{method}: {type(m).__name__} is not a sharded module; pass modules that "
+                    "fully_shard was applied to"
+                )
+            if m._fsdp_unit is self._fsdp_unit:
+                raise ValueError(f"{method}: a unit cannot prefetch itself ({type(m).__name__})")
+            units.append(m._fsdp_unit)
+        return units
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide gradients by ``factor`` instead of averaging over the data-parallel
@@ -185,8 +211,10 @@ def fully_shard(
 
     Args:
         module: the module, or a list of modules forming one unit.
-        mesh: a 1-D ``DeviceMesh``; defaults to all ranks of the default
-            process group on the parameters' device type.
+        mesh: a 1-D ``DeviceMesh`` (FSDP), or a 2-D one with
+            ``mesh_dim_names`` whose dims are (replicate, shard) (HSDP: shard
+            over dim 1, all-reduce gradients over dim 0); defaults to all ranks
+            of the default process group on the parameters' device type.
         reshard_after_forward: ``True`` frees gathered parameters after
             forward (re-gathered in backward); ``False`` keeps them; ``None``
             means ``True`` except for the root unit.
@@ -195,8 +223,34 @@ def fully_shard(
             forward inputs cast to ``param_dtype`` (``cast_forward_inputs``) and
             outputs to ``output_dtype``; sharded parameters and gradients keep
             their own dtype.
+        offload_policy: ``CPUOffloadPolicy()`` keeps sharded parameters,
+            gradients (and so optimizer state) on the CPU and copies each shard
+            to the mesh's device right before its all-gather.
         ignored_params: parameters left unsharded and unmanaged.
     """
+    return _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, shard=True)
+
+
+def replicate(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+):
+    """Replicate ``module``'s parameters over a 1-D ``mesh`` (DDP), as torch's
+    ``torch.distributed._composable.replicate_with_fsdp.replicate``.
+
+    Every rank keeps the whole parameter (a ``Replicate()`` DTensor); backward
+    all-reduces (averages) each gradient, traced into the compiled graph like
+    our all-gathers. Mixed precision, offload and gradient accumulation work
+    as with :func:`fully_shard`. The module's class becomes ``FSDP<Orig>``.
+    """
+    return _apply(module, mesh, False, None, mp_policy, offload_policy, ignored_params, shard=False)
+
+
+def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard):
     modules = _as_module_list(module)
     _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     for m in modules:
@@ -209,10 +263,21 @@ def fully_shard(
             "fully_shard needs torch.distributed: call torch.distributed.init_process_group() "
             "first (or pass mesh=)"
         )
-    mesh = mesh if mesh is not None else _default_mesh(modules)
-    _validate_mesh(mesh, modules)
+    mesh = mesh if mesh is not None else _default_mesh(modules, shard)
+    _validate_mesh(mesh, modules, offload_policy, shard)
 
-    unit = FSDPUnit(modules=modules, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    unit = FSDPUnit(
+        modules=modules,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        dp_mesh=DataParallelMesh(mesh, shard=shard),
+        offload=ShardPlacement(
+            compute_device(mesh),
+            offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),
+            pin_memory=getattr(offload_policy, "pin_memory", False),
+        ),
+    )
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
@@ -257,23 +322,24 @@ def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_po
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller group (int) "
-            "is not supported yet (issue 4); use True, False or None"
+            "is not supported; use True (free after forward, gather again in backward), False (keep "
+            "gathered until backward) or None (True except for the root)"
         )
     if shard_placement_fn is not None:
         raise NotImplementedError("shard_placement_fn is not supported yet: parameters are sharded on dim 0")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("CPU offload (offload_policy=CPUOffloadPolicy) is not supported yet (issue 4)")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}")
 
 
-def _default_mesh(modules: list[nn.Module]) -> DeviceMesh:
-    """All ranks, on the parameters' device type (for meta parameters, as FSDP2: the
-    accelerator if there is one, else CPU)."""
+def _default_mesh(modules: list[nn.Module], shard: bool) -> DeviceMesh:
+    """All ranks, on the parameters' device type (for meta or CPU-offloaded
+    parameters, as FSDP2: the accelerator if there is one, else CPU)."""
     device_type = _params_device_type(modules)
-    if device_type in (None, "meta"):
+    if device_type in (None, "meta") or (device_type == "cpu" and torch.cuda.is_available()):
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard" if shard else "replicate",))
 
 
 def _params_device_type(modules: list[nn.Module]) -> str | None:
@@ -283,16 +349,25 @@ def _params_device_type(modules: list[nn.Module]) -> str | None:
     return None
 
 
-def _validate_mesh(mesh: DeviceMesh, modules: list[nn.Module]) -> None:
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; only 1-D meshes are "
-            "supported yet (HSDP with a 2-D mesh is issue 4)"
-        )
-    device_type = _params_device_type(modules)
-    if device_type not in (None, "meta") and device_type != mesh.device_type:
+def _validate_mesh(mesh: DeviceMesh, modules: list[nn.Module], offload_policy, shard: bool) -> None:
+    name = _unit_name(modules)
+    if shard and mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard: the parameters are on {device_type!r} but the mesh is on "
+            f"fully_shard({name}) got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; use a 1-D mesh (FSDP) "
+            "or a 2-D (replicate, shard) mesh (HSDP)"
+        )
+    if shard and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard({name}) got a 2-D mesh without mesh_dim_names; for HSDP build it as "
+            "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(\"replicate\", \"shard\"))"
+        )
+    if not shard and mesh.ndim != 1:
+        raise ValueError(f"replicate({name}) got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; it needs a 1-D mesh")
+    device_type = _params_device_type(modules)
+    offloaded = isinstance(offload_policy, CPUOffloadPolicy)
+    if device_type not in (None, "meta") and device_type != mesh.device_type and not (offloaded and device_type == "cpu"):
+        raise ValueError(
+            f"fully_shard({name}): the parameters are on {device_type!r} but the mesh is on "
             f"{mesh.device_type!r}; move the model to the mesh's device type first"
         )
 
@@ -362,10 +437,10 @@ def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: lis
 def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> None:
     """Every rank must shard the same names, shapes and dtypes (two small all-gathers)."""
     mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn, _ in owned]
-    group = mesh.get_group()
+    group = mesh.get_group() if mesh.ndim == 1 else flat_group_of(mesh)
     everyone = [
         [(fqn, tuple(shape), dtype) for fqn, shape, dtype in theirs]
-        for theirs in all_gather_json(mine, group, _collective_device(mesh))
+        for theirs in all_gather_json(mine, group, compute_device(mesh))
     ]
     rank = dist.get_rank(group)
     for other_rank, theirs in enumerate(everyone):
@@ -380,12 +455,6 @@ def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> N
                     f"{(a or b)[0]!r}: rank {rank} has {_describe(a)}, rank {other_rank} has "
                     f"{_describe(b)}. Build the same model on every rank before sharding."
                 )
-
-
-def _collective_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def _describe(entry) -> str:

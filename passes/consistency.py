@@ -4,7 +4,8 @@ If two ranks compile graphs whose collective sequences differ (a
 rank-dependent branch in the model, a pass deciding differently), they block
 forever in mismatched collectives. This pass bakes a fingerprint of the
 graph's collective sequence (op, group, reduce op, input shapes and dtypes,
-in order) into a ``fsdp_compile::check_collective_sequence`` call at the top
+in order; on a multi-dimensional mesh a group is named by its mesh dimension,
+since each rank's shard group is a different group) into a ``fsdp_compile::check_collective_sequence`` call at the top
 of the graph, ordered before the first collective. The first time the graph
 runs, ranks compare fingerprints over a separate gloo group and, on any
 difference, every rank raises an error naming the first differing collective
@@ -22,8 +23,9 @@ import json
 import torch
 import torch.fx as fx
 
-from fsdp_compile.passes.graph_utils import is_collective_issue
+from fsdp_compile.passes.graph_utils import is_backward_graph, is_collective_issue
 from fsdp_compile.runtime import consistency  # noqa: F401  (registers the op)
+from fsdp_compile.runtime.process_groups import group_label
 
 CHECK = torch.ops.fsdp_compile.check_collective_sequence.default
 
@@ -35,7 +37,7 @@ def collective_fingerprint(graph: fx.Graph) -> list[list[str]]:
         if not is_collective_issue(node):
             continue
         strings = [a for a in node.args if isinstance(a, str)]
-        group = strings[-1] if strings else "?"
+        group = group_label(strings[-1]) if strings else "?"
         reduce_op = strings[0] if len(strings) > 1 else ""
         first = node.args[0]
         values = first if isinstance(first, (list, tuple)) else [first]
@@ -49,8 +51,7 @@ def collective_fingerprint(graph: fx.Graph) -> list[list[str]]:
 
 
 def graph_name(graph: fx.Graph) -> str:
-    placeholders = [n.name for n in graph.find_nodes(op="placeholder")]
-    return "backward graph" if any(p.startswith("tangents") for p in placeholders) else "forward graph"
+    return "backward graph" if is_backward_graph(graph) else "forward graph"
 
 
 def insert_consistency_check(graph: fx.Graph) -> fx.Node | None:

@@ -57,6 +57,11 @@ class Collective:
         return self.input_numel * val(self.input).element_size()
 
 
+def is_backward_graph(graph: fx.Graph) -> bool:
+    """AOTAutograd names a backward graph's incoming gradients ``tangents_*``."""
+    return any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
+
+
 def is_collective_issue(node: fx.Node) -> bool:
     """Any functional collective that communicates (ours or not); not ``wait_tensor``."""
     target = node.target

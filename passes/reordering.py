@@ -11,7 +11,10 @@ rewires one) so that Inductor's code overlaps communication with compute:
   compute runs (FSDP2's prefetch); the first ``depth`` buckets go to the top
   of the graph, where in backward they overlap the loss gradient;
   ``max_inflight_bytes`` lowers the depth for a bucket whose gathered bytes
-  would exceed it;
+  would exceed it; a prefetch hint (``set_modules_to_forward_prefetch`` /
+  ``_backward_prefetch``, carried in the tag) overrides both: the hinted
+  all-gather, and any all-gather between the two, is issued before the wait
+  of the hinting unit's all-gather;
 * each reduce-scatter is issued as soon as its gradients exist (bucketing
   already places it there) and waited at its first use, but before the issue
   of reduce-scatter ``k + reduce_scatter_depth``, so at most that many
@@ -31,6 +34,7 @@ import torch.fx as fx
 from fsdp_compile.passes.graph_utils import (
     Collective,
     inputs_after,
+    is_backward_graph,
     move_before,
     our_collectives,
     stable_topological_sort,
@@ -74,17 +78,48 @@ def head_of(c: Collective, before: fx.Node) -> list[fx.Node] | None:
     return inputs_after(c.issue, before, _positions(c.issue.graph))
 
 
+def hinted_prefetch_source(all_gathers: list[Collective], k: int, hint_key: str) -> int | None:
+    """Index of the all-gather (before ``k``) of the unit that asked to prefetch
+    all-gather ``k`` (tag entry ``hint_key``), or ``None`` without a usable hint."""
+    by = all_gathers[k].tag.get(hint_key)
+    if by is None:
+        return None
+    for j in range(k):
+        if all_gathers[j].tag["unit_fqn"] == by:
+            return j
+    log.debug(
+        "prefetch hint ignored: unit %r asked to prefetch unit %r, but has no all-gather before it in this graph",
+        by or "(root)",
+        all_gathers[k].tag["unit_fqn"] or "(root)",
+    )
+    return None
+
+
 def prefetch_all_gathers(
     all_gathers: list[Collective], depth: int, max_inflight_bytes: int | None = None
 ) -> None:
-    """Issue all-gather ``k`` before the wait of all-gather ``k - depth`` (see module docstring)."""
-    if not all_gathers or depth < 1:
+    """Issue all-gather ``k`` before the wait of all-gather ``k - depth``, or of the
+    hinting unit's all-gather (see module docstring)."""
+    if not all_gathers:
         return
     graph = all_gathers[0].issue.graph
+    hint_key = "backward_prefetched_by" if is_backward_graph(graph) else "forward_prefetched_by"
     anchor = next(n for n in graph.nodes if n.op != "placeholder")
     gathered = [c.input_bytes * c.world_size for c in all_gathers]
     for k, c in enumerate(all_gathers):
         unit = c.tag["unit_fqn"] or "(root)"
+        hinted = hinted_prefetch_source(all_gathers, k, hint_key)
+        if hinted is not None:
+            # All-gathers between the two go first (issue order is kept: they are needed sooner).
+            target = all_gathers[hinted].wait
+            order = _positions(graph)
+            for between in all_gathers[hinted + 1 : k + 1]:
+                if order[between.issue] > order[target]:
+                    move_before(head_of(between, target) or [], target)
+            log.debug("all-gather of unit %r issued before the wait of unit %r (prefetch hint)", unit, all_gathers[hinted].tag["unit_fqn"] or "(root)")
+            continue
+        if depth < 1:
+            continue
         j = k - depth
         if max_inflight_bytes is not None:
             while j < k and sum(gathered[max(j, 0) : k + 1]) > max_inflight_bytes:

@@ -21,12 +21,25 @@ from fsdp_compile._compat import c10d_functional, fx_annotate
 ANNOTATION_KEY = "fsdp_compile"
 
 
-def collective_annotation(role: str, param_fqn: str, unit_fqn: str, reshard_after_forward: bool) -> dict:
+def collective_annotation(
+    role: str,
+    param_fqn: str,
+    unit_fqn: str,
+    reshard_after_forward: bool,
+    forward_prefetched_by: str | None = None,
+    backward_prefetched_by: str | None = None,
+) -> dict:
     """The ``node.meta["custom"]`` entry our collectives are traced under.
 
     ``role`` is ``"unshard"`` for the forward all-gather chain (pad, gather,
-    wait, narrow) and ``"reduce_grad"`` for the backward gradient reduction.
-    A plain dict of constants, so Dynamo can trace building it.
+    wait, narrow), ``"reduce_grad"`` for the backward gradient reduction and
+    ``"replicate_grad"`` for HSDP's all-reduce over the replicate dimension
+    that follows it (left alone by the bucketing and reordering passes).
+    ``forward_prefetched_by`` / ``backward_prefetched_by`` name the unit whose
+    forward / backward should issue this all-gather
+    (``FSDPModule.set_modules_to_forward_prefetch`` and ``_backward_prefetch``
+    hints, honoured by the reordering pass). A plain dict of constants, so
+    Dynamo can trace building it.
     """
     return {
         ANNOTATION_KEY: {
@@ -34,6 +47,8 @@ def collective_annotation(role: str, param_fqn: str, unit_fqn: str, reshard_afte
             "param_fqn": param_fqn,
             "unit_fqn": unit_fqn,
             "reshard_after_forward": reshard_after_forward,
+            "forward_prefetched_by": forward_prefetched_by,
+            "backward_prefetched_by": backward_prefetched_by,
         }
     }
 
@@ -143,7 +158,7 @@ class _AllGatherShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, pending, accumulator, meta):
-        dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, _, _ = meta
+        dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, _, _, _ = meta
         _remember_gradient_mode(ctx, meta, local, pending, accumulator)
         if param_dtype is not None and param_dtype != local.dtype:
             local = local.to(param_dtype)
@@ -156,7 +171,7 @@ class _AllGatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):
-        _, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, _, reduce_dtype, grad_scale = ctx.meta
+        _, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, _, reduce_dtype, grad_scale, replicate_group = ctx.meta
         if not ctx.sync:
             return None, None, grad_full.to(ctx.shard_dtype), None
         with fx_annotate(_as_role(annotation, "reduce_grad")):
@@ -166,6 +181,10 @@ class _AllGatherShard(torch.autograd.Function):
             shard = c10d_functional.wait_tensor(shard)
             if shard.shape[0] != local_rows:
                 shard = shard.narrow(0, 0, local_rows)
+        if replicate_group is not None:
+            with fx_annotate(_as_role(annotation, "replicate_grad")):
+                shard = c10d_functional.wait_tensor(c10d_functional.all_reduce(shard.contiguous(), reduce_op, replicate_group))
+        with fx_annotate(_as_role(annotation, "reduce_grad")):
             if shard.dtype != ctx.shard_dtype:
                 shard = shard.to(ctx.shard_dtype)
         return shard, None, None, None
@@ -173,12 +192,13 @@ class _AllGatherShard(torch.autograd.Function):
 
 class _AllReduceGrad(torch.autograd.Function):
     """Forward: identity (the tensor is replicated), cast to ``param_dtype``.
-    Backward: all-reduce the gradient (plus ``pending``), or with gradient sync
+    Backward: all-reduce the gradient (plus ``pending``) over each of the
+    groups in turn (HSDP: shard group, then replicate group), or with gradient sync
     off, hand it to ``accumulator`` (see :class:`_AllGatherShard`)."""
 
     @staticmethod
     def forward(ctx, local, pending, accumulator, meta):
-        group_name, reduce_op, annotation, param_dtype, _, _ = meta
+        group_names, reduce_op, annotation, param_dtype, _, _ = meta
         _remember_gradient_mode(ctx, meta, local, pending, accumulator)
         if param_dtype is not None and param_dtype != local.dtype:
             return local.to(param_dtype)
@@ -186,13 +206,13 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group_name, reduce_op, annotation, _, reduce_dtype, grad_scale = ctx.meta
+        group_names, reduce_op, annotation, _, reduce_dtype, grad_scale = ctx.meta
         if not ctx.sync:
             return None, None, grad.to(ctx.shard_dtype), None
         with fx_annotate(_as_role(annotation, "reduce_grad")):
-            grad = _gradient_to_reduce(ctx, grad, reduce_dtype, grad_scale)
-            out = c10d_functional.all_reduce(grad.contiguous(), reduce_op, group_name)
-            out = c10d_functional.wait_tensor(out)
+            out = _gradient_to_reduce(ctx, grad, reduce_dtype, grad_scale).contiguous()
+            for group_name in group_names:
+                out = c10d_functional.wait_tensor(c10d_functional.all_reduce(out, reduce_op, group_name))
             if out.dtype != ctx.shard_dtype:
                 out = out.to(ctx.shard_dtype)
         return out, None, None, None
@@ -208,6 +228,7 @@ def all_gather_shard(
     pending: torch.Tensor | None = None,
     accumulator: torch.Tensor | None = None,
     grad_scale: float | None = None,
+    replicate_group_name: str | None = None,
 ) -> torch.Tensor:
     """The full tensor from every rank's dim-0 shard; its gradient is reduce-scattered.
 
@@ -218,6 +239,8 @@ def all_gather_shard(
     accumulated into ``accumulator.grad``; ``pending`` (that accumulated
     gradient) is added before the next reduction. ``grad_scale`` multiplies the
     gradient before the reduction (``set_gradient_divide_factor``).
+    HSDP: ``replicate_group_name`` names the group the reduce-scattered shard
+    is then all-reduced over.
     """
     meta = (
         layout.dim0,
@@ -230,6 +253,7 @@ def all_gather_shard(
         param_dtype,
         reduce_dtype,
         grad_scale,
+        replicate_group_name,
     )
     with fx_annotate(annotation):
         return _AllGatherShard.apply(local, pending, accumulator, meta)
@@ -237,7 +261,7 @@ def all_gather_shard(
 
 def replicate_with_grad_sync(
     local: torch.Tensor,
-    group_name: str,
+    group_names: tuple[str, ...],
     annotation: dict,
     reduce_op: str = "avg",
     param_dtype: torch.dtype | None = None,
@@ -246,8 +270,9 @@ def replicate_with_grad_sync(
     accumulator: torch.Tensor | None = None,
     grad_scale: float | None = None,
 ) -> torch.Tensor:
-    """A replicated tensor whose gradient is all-reduced (used for 0-dim parameters);
-    the arguments are :func:`all_gather_shard`'s."""
-    meta = (group_name, reduce_op, annotation, param_dtype, reduce_dtype, grad_scale)
+    """A replicated tensor whose gradient is all-reduced over each of ``group_names``
+    (0-dim parameters, HSDP's replicate dimension, ``replicate``); the other
+    arguments are :func:`all_gather_shard`'s."""
+    meta = (tuple(group_names), reduce_op, annotation, param_dtype, reduce_dtype, grad_scale)
     with fx_annotate(annotation):
         return _AllReduceGrad.apply(local, pending, accumulator, meta)

@@ -10,6 +10,16 @@ import torch.distributed as dist
 
 _SIDE_GROUP = None
 
+# Group name -> a label that is the same on every rank (e.g. "mesh dim 'shard' of
+# size 2"). On a 2-D mesh each rank's shard group is a different group with a
+# different name; comparisons across ranks (the consistency check) use this.
+_GROUP_LABELS: dict[str, str] = {}
+
+
+def group_label(group_name: str) -> str:
+    """A rank-independent name for a group a ``DataParallelMesh`` resolved, else the name."""
+    return _GROUP_LABELS.get(group_name, group_name)
+
 
 def all_gather_json(value, group=None, device: torch.device | None = None) -> list:
     """Every rank's ``value`` (JSON-able), with two small all-gathers.
@@ -44,3 +54,68 @@ def side_group(timeout_s: float):
 def is_real_multi_rank() -> bool:
     """True when there are several real ranks to talk to (not the ``fake`` backend)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
+
+
+class DataParallelMesh:
+    """Which mesh dimension shards and which replicates, resolved to group names.
+
+    * 1-D mesh, ``shard=True`` — FSDP: parameters ``Shard(0)`` over the mesh.
+    * 2-D mesh ``(replicate, shard)`` — HSDP: ``(Replicate(), Shard(0))``; the
+      gradient is reduce-scattered over the shard dimension, then all-reduced
+      over the replicate dimension.
+    * 1-D mesh, ``shard=False`` — DDP (``replicate``): ``Replicate()``;
+      gradients are all-reduced over the mesh.
+
+    Attributes:
+        mesh: the ``DeviceMesh`` given to ``fully_shard`` / ``replicate``.
+        shard_group_name: the functional collectives' name of the shard group
+            (``None`` in DDP mode).
+        shard_world_size, shard_rank: size of, and this rank's index in, the shard group.
+        replicate_group_name: the replicate group (``None`` in FSDP mode).
+    """
+
+    def __init__(self, mesh, *, shard: bool = True) -> None:
+        from fsdp_compile._compat import group_name_of
+
+        self.mesh = mesh
+        if mesh.ndim == 2:
+            shard_dim, replicate_dim = 1, 0
+        elif shard:
+            shard_dim, replicate_dim = 0, None
+        else:
+            shard_dim, replicate_dim = None, 0
+        self.shard_dim, self.replicate_dim = shard_dim, replicate_dim
+        self.shard_group_name = None if shard_dim is None else group_name_of(mesh.get_group(shard_dim))
+        self.shard_world_size = 1 if shard_dim is None else mesh.size(shard_dim)
+        self.shard_rank = 0 if shard_dim is None else mesh.get_local_rank(shard_dim)
+        self.replicate_group_name = None if replicate_dim is None else group_name_of(mesh.get_group(replicate_dim))
+        if mesh.ndim > 1:
+            for dim, name in ((shard_dim, self.shard_group_name), (replicate_dim, self.replicate_group_name)):
+                dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
+                _GROUP_LABELS[name] = f"mesh dim {dim_name!r} of size {mesh.size(dim)}"
+
+    @property
+    def shards(self) -> bool:
+        return self.shard_dim is not None
+
+    def placements(self, sharded_dim0: bool) -> list:
+        """DTensor placements of a parameter (``sharded_dim0``: split along dim 0)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        out = [Replicate()] * self.mesh.ndim
+        if sharded_dim0 and self.shard_dim is not None:
+            out[self.shard_dim] = Shard(0)
+        return out
+
+    def reduce_group_names(self, sharded_dim0: bool) -> tuple[str, ...]:
+        """Groups an all-reduced (not reduce-scattered) gradient is summed over, in order."""
+        names = []
+        if self.shard_group_name is not None and not sharded_dim0:
+            names.append(self.shard_group_name)
+        if self.replicate_group_name is not None:
+            names.append(self.replicate_group_name)
+        return tuple(names)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size()

@@ -18,21 +18,32 @@ MIXED_PRECISION = {
 }
 
 
-def _shard_model(variant: str, units, mp: str | None = None) -> None:
+def _shard_model(variant: str, units, mp: str | None = None, layout: str = "fsdp") -> None:
+    """Shard ``units`` bottom-up. ``layout``: ``fsdp`` (1-D mesh), ``hsdp`` (2 x world/2
+    mesh, replicate x shard), ``ddp`` (``replicate``) or ``offload`` (``CPUOffloadPolicy``)."""
     if variant == "reference":
         return
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     if variant == "fsdp2":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import fully_shard
     else:
-        from fsdp_compile import fully_shard
+        from fsdp_compile import fully_shard, replicate
     policy = MixedPrecisionPolicy(**(MIXED_PRECISION[mp] or {}))
+    kwargs = {}
+    if layout == "hsdp":
+        shape = (2, dist.get_world_size() // 2)
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    elif layout == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    apply = replicate if layout == "ddp" else fully_shard
     for unit in units:
-        fully_shard(unit, mp_policy=policy)
+        apply(unit, mp_policy=policy, **kwargs)
 
 
-def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: str | None = None) -> dict:
+def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: str | None = None, layout: str = "fsdp") -> dict:
     """Train ``name`` for ``steps`` SGD steps under ``variant``; the full parameters after each.
 
     ``reference`` is one unsharded model on the global batch (computed on every
@@ -43,7 +54,7 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, units = build(name)
-    _shard_model(variant, units, mp)
+    _shard_model(variant, units, mp, layout)
     backend = COMPILE_BACKENDS.get(variant)
     counter = CompileCounterWithBackend(backend) if backend else None
     run = torch.compile(model, backend=counter, fullgraph=True) if counter else model
@@ -83,8 +94,8 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
     return record
 
 
-def train_all(name: str, variants: list[str], steps: int = 3, with_eval: bool = False, mp: str | None = None) -> dict:
-    return {v: train(name, v, steps, with_eval, mp) for v in variants}
+def train_all(name: str, variants: list[str], steps: int = 3, with_eval: bool = False, mp: str | None = None, layout: str = "fsdp") -> dict:
+    return {v: train(name, v, steps, with_eval, mp, layout) for v in variants}
 
 
 def compiled_collective_dtypes(mp: str) -> dict:

@@ -19,9 +19,19 @@ DIM, BATCH = 6, 3
 
 
 def build_unit_graph(
-    world_size: int, rank: int, group_name: str, n_units: int = 3, dims=(5, 6, 7), bias_dtype=torch.float32
+    world_size: int,
+    rank: int,
+    group_name: str,
+    n_units: int = 3,
+    dims=(5, 6, 7),
+    bias_dtype=torch.float32,
+    forward_prefetched_by: dict[str, str] | None = None,
 ) -> tuple[fx.GraphModule, list]:
-    """Returns the graph module and the (real) input shapes, in placeholder order."""
+    """Returns the graph module and the (real) input shapes, in placeholder order.
+
+    ``forward_prefetched_by`` maps a unit to the unit that hints its prefetch
+    (``set_modules_to_forward_prefetch``), recorded in the all-gathers' tags."""
+    hints = forward_prefetched_by or {}
     graph = fx.Graph()
     mode = FakeTensorMode()
     input_shapes = []
@@ -34,7 +44,7 @@ def build_unit_graph(
         return node
 
     def unshard(shard: fx.Node, layout: ShardLayout, unit: str, name: str) -> fx.Node:
-        tag = collective_annotation("unshard", f"{unit}.{name}", unit, True)
+        tag = collective_annotation("unshard", f"{unit}.{name}", unit, True, hints.get(unit))
         padded = shard
         if layout.local_rows != layout.rows_per_rank:
             zeros = emit(

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 
-def compiled_step_code(config_changes: dict, n_layers: int = 4, dim: int = 32) -> dict:
+def compiled_step_code(config_changes: dict, n_layers: int = 4, dim: int = 32, prefetch: dict | None = None) -> dict:
+    """``prefetch``: {"forward" | "backward": {layer index: [layer indices]}} hints."""
     from torch._inductor.utils import run_and_get_code
 
     from fsdp_compile import config, fully_shard
@@ -18,6 +19,10 @@ def compiled_step_code(config_changes: dict, n_layers: int = 4, dim: int = 32) -
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
+    for direction, hints in (prefetch or {}).items():
+        for i, targets in hints.items():
+            setter = getattr(model.layers[i], f"set_modules_to_{direction}_prefetch")
+            setter([model.layers[t] for t in targets])
     x = torch.randn(4, dim)
     with config.patch(**config_changes):
         compiled = torch.compile(model, fullgraph=True)

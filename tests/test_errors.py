@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_compile import CPUOffloadPolicy, fully_shard
+from fsdp_compile import fully_shard, replicate
 from fsdp_compile.testing import RankFailure
 from tests import error_jobs
 from tests.models import MLPStack
@@ -34,10 +34,22 @@ def test_parent_before_child(fake_pg):
         fully_shard(model.layers[0])
 
 
-def test_two_dimensional_mesh(fake_pg):
+def test_two_dimensional_mesh_needs_dim_names(fake_pg):
     mesh = init_device_mesh("cpu", (2, 4))
-    with pytest.raises(NotImplementedError, match="2-D mesh.*HSDP"):
+    with pytest.raises(ValueError, match="2-D mesh without mesh_dim_names.*HSDP"):
         fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_three_dimensional_mesh(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+    with pytest.raises(ValueError, match=r"Linear\) got a 3-D mesh"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_replicate_needs_one_dimensional_mesh(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"replicate\(Linear\) got a 2-D mesh"):
+        replicate(nn.Linear(4, 4), mesh=mesh)
 
 
 def test_mesh_on_another_device_type(fake_pg):
@@ -58,9 +70,8 @@ def test_shared_parameter_with_conflicting_mesh(fake_pg):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(reshard_after_forward=2), "reshard_after_forward=2.*issue 4"),
+        (dict(reshard_after_forward=2), r"reshard_after_forward=2: resharding to a smaller group \(int\) is not supported"),
         (dict(shard_placement_fn=lambda p: None), "shard_placement_fn"),
-        (dict(offload_policy=CPUOffloadPolicy()), "CPU offload"),
     ],
 )
 def test_unsupported_options_are_not_ignored(fake_pg, kwargs, match):
@@ -68,10 +79,13 @@ def test_unsupported_options_are_not_ignored(fake_pg, kwargs, match):
         fully_shard(nn.Linear(4, 4), **kwargs)
 
 
-def test_unsupported_methods_say_so(fake_pg):
-    lin = fully_shard(nn.Linear(4, 4))
-    with pytest.raises(NotImplementedError, match="set_modules_to_forward_prefetch"):
-        lin.set_modules_to_forward_prefetch([])
+def test_prefetch_hints_need_sharded_modules(fake_pg):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    with pytest.raises(ValueError, match="set_modules_to_forward_prefetch: Linear is not a sharded module"):
+        model[0].set_modules_to_forward_prefetch([model[1]])
+    with pytest.raises(ValueError, match="set_modules_to_backward_prefetch: a unit cannot prefetch itself"):
+        model[0].set_modules_to_backward_prefetch([model[0]])
 
 
 def test_no_process_group():
@@ -92,3 +106,8 @@ def test_pool_reports_failing_rank_and_recovers(pool2):
     with pytest.raises(RankFailure, match=r"(?s)rank 0 ---\ndid not answer.*rank 1 ---\n.*ZeroDivisionError"):
         pool2.run(error_jobs.fail_on_rank, 1, timeout_s=60)
     assert pool2.run(error_jobs.rank_and_world) == [(0, 2), (1, 2)]
+
+
+def test_offload_policy_of_wrong_type(fake_pg):
+    with pytest.raises(TypeError, match="offload_policy must be an OffloadPolicy"):
+        fully_shard(nn.Linear(4, 4), offload_policy="cpu")

@@ -204,6 +204,33 @@ def test_memory_bound_disables_prefetch():
         assert pos[gathers[k].issue] > pos[gathers[k - 1].wait]
 
 
+def test_prefetch_hint_overrides_depth():
+    """layers.0 asks to prefetch layers.2 (set_modules_to_forward_prefetch): its all-gather,
+    and layers.1's (needed first; issue order is kept), are issued before layers.0's
+    wait, although depth 0 and a 1-byte in-flight bound prefetch nothing otherwise."""
+    gm, _ = build_unit_graph(2, 0, "0", N_UNITS, forward_prefetched_by={"layers.2": "layers.0"})
+    bucket_collectives(gm.graph)
+    before = node_signature(gm.graph)
+    sequence_before = _sequence(gm.graph)
+    reorder_for_overlap(gm.graph, prefetch_depth=0, max_inflight_bytes=1)
+    gm.graph.lint()
+    assert node_signature(gm.graph) == before and _sequence(gm.graph) == sequence_before
+    pos = _positions(gm.graph)
+    g0, g1, g2 = our_collectives(gm.graph, "all_gather")[:3]
+    assert pos[g0.issue] < pos[g1.issue] < pos[g2.issue] < pos[g0.wait]
+    assert pos[g1.wait] > pos[g0.wait]
+
+
+def test_prefetch_hint_from_a_later_unit_is_ignored():
+    gm, _ = build_unit_graph(2, 0, "0", N_UNITS, forward_prefetched_by={"layers.0": "layers.2"})
+    bucket_collectives(gm.graph)
+    reorder_for_overlap(gm.graph, prefetch_depth=0)
+    pos = _positions(gm.graph)
+    gathers = our_collectives(gm.graph, "all_gather")
+    for k in range(1, len(gathers)):
+        assert pos[gathers[k].issue] > pos[gathers[k - 1].wait]
+
+
 def test_pinning_constraints_follow_the_schedule():
     gm, _ = build_unit_graph(2, 0, "0", N_UNITS)
     bucket_collectives(gm.graph)

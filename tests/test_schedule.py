@@ -16,10 +16,10 @@ N_LAYERS = 4
 _cache: dict = {}
 
 
-def _schedule(pool2, **config_changes):
-    key = tuple(sorted(config_changes.items()))
+def _schedule(pool2, prefetch=None, **config_changes):
+    key = (tuple(sorted(config_changes.items())), repr(prefetch))
     if key not in _cache:
-        per_rank = pool2.run(schedule_jobs.compiled_step_code, config_changes, N_LAYERS)
+        per_rank = pool2.run(schedule_jobs.compiled_step_code, config_changes, N_LAYERS, prefetch=prefetch)
         parsed = []
         for result in per_rank:
             forward_code, backward_code = result["codes"]
@@ -102,3 +102,16 @@ def test_auto_bucketing_keeps_ideal_volume(pool2):
     layouts = s[0]["layouts"]
     total = sum(padded * ws for padded, ws in layouts.values())
     assert sum(c.output_numel for c in _of(s[0]["forward"], "all_gather")) == total
+
+
+def test_prefetch_hints(pool2):
+    """set_modules_to_forward_prefetch / _backward_prefetch with the default prefetch off
+    (prefetch_depth=0): exactly the hinted all-gathers are issued before the hinting
+    unit's wait."""
+    hints = {"forward": {0: [1, 2]}, "backward": {3: [2, 1]}}
+    s = _schedule(pool2, prefetch=hints, prefetch_depth=0)[0]
+    l0, l1, l2, l3 = _of(s["forward"], "all_gather")
+    assert l1.issue_line < l0.wait_line and l2.issue_line < l0.wait_line
+    assert l3.issue_line > l2.wait_line  # not hinted: gathered when needed
+    b3, b2, b1 = _of(s["backward"], "all_gather")  # layer 0's weight is not needed
+    assert b2.issue_line < b3.wait_line and b1.issue_line < b3.wait_line
