@@ -203,3 +203,41 @@ def module_methods() -> dict:
     summed = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     out["divide_factor_1_sums"] = all(torch.equal(summed[n], 2 * averaged[n]) for n in summed)
     return out
+
+
+def _adamw_llama(name: str = "llama"):
+    model, units = build(name)
+    _shard(units)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def save_then_continue(path: str, name: str = "llama", steps: int = 2) -> dict:
+    """Train ``steps`` steps, save model + optimizer with DCP, then train one more step:
+    that step's loss and the parameters after it are what a resumed run must reproduce."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _adamw_llama(name)
+    run = torch.compile(model, backend="aot_eager")
+    for s in range(steps):
+        _step(model, run, opt, name, s)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    saved = _full_params(model)
+    loss = _step(model, run, opt, name, steps)[0]
+    return {"saved": saved, "loss": loss, "params": _full_params(model)}
+
+
+def resume(path: str, name: str = "llama", step: int = 2) -> dict:
+    """Load model + optimizer from ``path`` (saved at any world size) and train step ``step``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _adamw_llama(name)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _full_params(model)
+    loss = _step(model, torch.compile(model, backend="aot_eager"), opt, name, step)[0]
+    return {"loaded": loaded, "loss": loss, "params": _full_params(model), "world_size": dist.get_world_size()}

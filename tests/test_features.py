@@ -81,3 +81,18 @@ def test_activation_checkpointing_eager_is_bitwise_equal_to_no_checkpointing(poo
     without = pool2.run(parity_jobs.train, "llama", "ours-eager")[0]
     assert with_ac["loss"] == without["loss"]
     _equal(with_ac["params"][-1], without["params"][-1])
+
+
+def test_checkpoint_saved_at_two_ranks_resumes_at_one_and_four(pool2, rank_pools, tmp_path):
+    """DCP resharding: a model + AdamW checkpoint from 2 ranks loads bitwise at world size
+    1 and 4, and the next step gives the loss and update of the run that went on at 2
+    (to fp32 rounding: the global batch is split differently, so reductions differ)."""
+    path = str(tmp_path / "ws2")
+    straight = pool2.run(feature_jobs.save_then_continue, path)[0]
+    for world_size in (1, 4):
+        results = rank_pools(world_size).run(feature_jobs.resume, path)
+        for result in results:
+            assert result["world_size"] == world_size
+            _equal(result["loaded"], straight["saved"])
+            torch.testing.assert_close(torch.tensor(result["loss"]), torch.tensor(straight["loss"]), rtol=1e-6, atol=0)
+            _equal(result["params"], straight["params"], rtol=1e-5, atol=1e-6)
