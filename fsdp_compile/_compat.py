@@ -149,6 +149,21 @@ def flat_group_of(mesh) -> torch.distributed.ProcessGroup:
     return mesh._flatten().get_group()
 
 
+def outside_dispatch_modes():
+    """Context manager running code with the active Python dispatch modes popped
+    (``torch.utils._python_dispatch._disable_current_modes``): selective activation
+    checkpointing's recompute mode rejects ops its region did not run in forward."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def in_backward_recompute() -> bool:
+    """True while the autograd engine runs a backward on this thread (where eager
+    activation checkpointing re-runs forward code); ``_current_graph_task_id`` is private."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def register_fake_process_group() -> None:
     """torch/testing/_internal/distributed/fake_pg.py registers backend "fake"."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
@@ -163,6 +178,8 @@ __all__ = [
     "is_backward_node",
     "group_name_of",
     "flat_group_of",
+    "in_backward_recompute",
+    "outside_dispatch_modes",
     "register_fake_process_group",
     "detect_fake_mode",
     "tree_map",

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from fsdp_compile._compat import outside_dispatch_modes
 from fsdp_compile._fsdp_state import RegatherSlot, forward_context
 from fsdp_compile.runtime.collectives import (
     ShardLayout,
@@ -75,6 +76,7 @@ class FSDPParam:
         self._regather_slot: RegatherSlot | None = None
         self._grad_accumulator: torch.Tensor | None = None
         self.held: torch.Tensor | None = None  # gathered by FSDPModule.unshard()
+        self.owner: tuple[nn.Module, str] | None = None  # first module registering it, and the name
 
     def hold_unsharded(self) -> None:
         if self.held is None:
@@ -160,11 +162,34 @@ class FSDPParam:
                 self.unit.offload.to_compute(self.sharded_param.to_local()), self.layout, annotation, param_dtype=self.unit.mp_policy.param_dtype
             )
 
+    def regather_for_recompute(self) -> torch.Tensor:
+        """The full tensor for an activation-checkpointing recompute in eager backward.
+
+        The recomputed ops only refill saved tensors (gradients flow through the
+        original forward's graph), but they must save what the original saved,
+        which depends on whether the weight requires grad: hence a fresh leaf. The
+        gather runs outside selective checkpointing's recompute mode, which only
+        accepts the ops its region ran in forward."""
+        with outside_dispatch_modes():
+            if self.layout is None:
+                full = self.unit.offload.to_compute(self.sharded_param.to_local().detach())
+            else:
+                full = self.regather()
+            policy_dtype = self.unit.mp_policy.param_dtype
+            if policy_dtype is not None and full.dtype != policy_dtype:
+                full = full.to(policy_dtype)
+            return full.detach().requires_grad_(self.sharded_param.requires_grad)
+
     def regather_slot(self) -> RegatherSlot:
         """The slot shared by all saved views of this parameter in the current forward."""
         if self._regather_slot is None or self._regather_slot.pending == 0:
             self._regather_slot = RegatherSlot(self)
         return self._regather_slot
+
+    @property
+    def unsharded(self) -> torch.Tensor | None:
+        """The full tensor gathered in the running sharded forward, if any."""
+        return self._unsharded
 
     @property
     def fqn(self) -> str:

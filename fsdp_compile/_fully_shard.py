@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_compile._compat import flat_group_of, saved_tensors_hooks_active, tree_map
+from fsdp_compile._compat import flat_group_of, in_backward_recompute, saved_tensors_hooks_active, tree_map
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, ShardPlacement, compute_device, forward_context
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
@@ -53,6 +53,7 @@ class FSDPModule:
         )
         forward_context.enter()
         try:
+            self._gather_unit()
             if outermost_eager:
                 with forward_context.eager_reshard_hooks():
                     output = super().forward(*args, **kwargs)
@@ -63,6 +64,17 @@ class FSDPModule:
         if policy.output_dtype is not None:
             output = _cast_floating(output, policy.output_dtype)
         return output
+
+    def _gather_unit(self) -> None:
+        """Gather every parameter of the unit when its forward starts, as FSDP2's
+        pre-forward does. Reads inside the forward then hit the cache, so an
+        activation-checkpointed region saves and recomputes the same ops, and
+        under compile (where it is a subgraph) holds no collective or state
+        update, which Dynamo does not allow there."""
+        for fsdp_param in self._fsdp_unit.params:
+            if fsdp_param.held is None and fsdp_param.owner is not None:
+                owner, name = fsdp_param.owner
+                fsdp_param.unshard(owner._parameters[name])
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """Gather this unit's parameters and keep them gathered until :meth:`reshard`
@@ -472,6 +484,8 @@ _CLASS_CACHE: dict[tuple, type] = {}
 def _install_managed_param(owner: nn.Module, name: str, fsdp_param: FSDPParam) -> None:
     """Register the sharded parameter under ``name`` and route reads through a property."""
     owner._parameters[name] = fsdp_param.sharded_param
+    if fsdp_param.owner is None:
+        fsdp_param.owner = (owner, name)
     if "_fsdp_params" not in owner.__dict__:
         owner.__dict__["_fsdp_params"] = {}
     owner.__dict__["_fsdp_params"][name] = fsdp_param
@@ -503,11 +517,20 @@ def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
 
 def _managed_param_property(name: str) -> property:
     def read(self):
-        param = self._parameters[name]
         fsdp_param = self._fsdp_params[name]
         if fsdp_param.held is not None:
             return fsdp_param.held  # FSDPModule.unshard() was called
+        if forward_context.depth > 0 and fsdp_param.unsharded is not None:
+            # Gathered when the unit's forward started. Checked before touching the
+            # sharded DTensor, so a checkpointed region (a subgraph under compile)
+            # takes only this plain tensor as input.
+            return fsdp_param.unsharded
+        param = self._parameters[name]
         if forward_context.depth == 0:
+            if not torch.compiler.is_compiling() and in_backward_recompute():
+                # Eager activation checkpointing inside a unit: backward re-runs the
+                # checkpointed region outside the unit's forward; it needs the values only.
+                return fsdp_param.regather_for_recompute()
             return param
         return fsdp_param.unshard(param)
 

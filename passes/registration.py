@@ -48,10 +48,31 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     """Our joint-graph passes, in order."""
     _warn_if_recompile(gm)
     _warn_if_graph_break(gm.graph)
+    reject_checkpointed_regions(gm)
     if config.reshard_pass:
         tag_reshard_after_forward(gm)
     debug.record_joint(gm)
     return gm
+
+
+def reject_checkpointed_regions(gm: fx.GraphModule) -> None:
+    """torch.utils.checkpoint inside a compiled sharded model fails in torch 2.13's
+    AOTAutograd after partitioning ("expected all tensors_saved_with_vc_check to be
+    Tensors": the DTensor parameters' DeviceMesh objects saved for backward are
+    counted as tensors once a graph has checkpointed regions). Say so up front,
+    on every rank alike (all compile the same graph), before any collective."""
+    units = _units_in(gm.graph)
+    if not units:
+        return
+    # Runs before our own tagging: any recompute policy here comes from a checkpoint.
+    if any("recompute" in n.meta for n in gm.graph.nodes):
+        raise NotImplementedError(
+            "fsdp_compile: activation checkpointing (torch.utils.checkpoint) inside a compiled "
+            f"model with sharded units {', '.join(repr(u or '(root)') for u in units)} is not supported "
+            "with torch 2.13 (AOTAutograd mishandles the DeviceMesh it saves for the backward once "
+            "a graph has checkpointed regions). Run the checkpointed model eagerly (fully supported), "
+            "or compile it without torch.utils.checkpoint."
+        )
 
 
 def fsdp_post_grad_pass(graph: fx.Graph) -> None:
@@ -96,11 +117,13 @@ _graph_breaks_seen: dict[str, int] = {}
 
 def _warn_if_graph_break(graph: fx.Graph) -> None:
     """Dynamo broke a graph while tracing a frame that runs sharded units: name them."""
+    units = _units_in(graph)
+    if not units:
+        return  # reasons stay pending until a graph that gathers something compiles
     counts = dynamo_graph_break_counts()
     new = [reason for reason, n in counts.items() if n > _graph_breaks_seen.get(reason, 0)]
     _graph_breaks_seen.update(counts)
-    units = _units_in(graph)
-    if not new or not units:
+    if not new:
         return
     reasons = "; ".join(r.strip().splitlines()[0][:160] for r in new)
     warnings.warn(

@@ -96,3 +96,35 @@ def warnings_from_break_and_recompile() -> list[str]:
             compiled(torch.randn(2, 4))
         compiled(torch.randn(3, 4))  # eval + new batch size: more recompiles
     return [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]
+
+
+@torch._dynamo.disable
+def _eager_linear(x, module):
+    return torch.nn.functional.linear(x, module.weight)
+
+
+class ReadsAnotherUnitEagerly(nn.Module):
+    """The root's compiled forward calls eager code that reads another unit's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _eager_linear(self.a(x), self.b)
+
+
+def warnings_from_eager_gather() -> list[str]:
+    import warnings
+
+    from fsdp_compile import fully_shard
+
+    torch.manual_seed(0)
+    model = ReadsAnotherUnitEagerly()
+    fully_shard(model.b)
+    fully_shard(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 4)).sum().backward()
+    return [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]

@@ -241,3 +241,31 @@ def resume(path: str, name: str = "llama", step: int = 2) -> dict:
     loaded = _full_params(model)
     loss = _step(model, torch.compile(model, backend="aot_eager"), opt, name, step)[0]
     return {"loaded": loaded, "loss": loss, "params": _full_params(model), "world_size": dist.get_world_size()}
+
+
+def saved_activation_bytes(name: str) -> int:
+    """Bytes of distinct storages autograd saves outside checkpointed regions in one
+    eager forward (checkpoint's own hooks take over inside its regions)."""
+    model, units = build(name)
+    _shard(units)
+    x, _ = batch(name, 0)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(_local(x)).sum()
+    return sum(seen.values())
+
+
+def compiled_checkpointing_error(name: str = "llama_ac") -> str:
+    model, units = build(name)
+    _shard(units)
+    x, _ = batch(name, 0)
+    try:
+        torch.compile(model, backend="aot_eager")(_local(x)).sum().backward()
+    except Exception as e:  # BackendCompilerFailed wrapping ours
+        return str(e)
+    return "no error"

@@ -59,7 +59,10 @@ def build(name: str) -> tuple[nn.Module, list]:
         model = Llama(LlamaConfig())
         return model, llama_units(model)
     if name == "llama_ac":
-        model = Llama(LlamaConfig(activation_checkpointing=True))
+        model = Llama(LlamaConfig(activation_checkpointing="full"))
+        return model, llama_units(model)
+    if name == "llama_sac":
+        model = Llama(LlamaConfig(activation_checkpointing="selective"))
         return model, llama_units(model)
     if name == "llama_tied_across_units":
         model = Llama(LlamaConfig())

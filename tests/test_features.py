@@ -71,16 +71,25 @@ def test_fsdp_module_methods(pool2):
 
 
 def test_activation_checkpointing_eager_is_bitwise_equal_to_no_checkpointing(pool2):
-    """torch.utils.checkpoint around each sharded decoder layer (eager): recomputation
-    re-gathers the layer's weights and gives exactly the same training.
-    (Under torch.compile this is not supported yet: Dynamo rejects the forward
-    context's side effects inside the checkpoint region.)"""
+    """torch.utils.checkpoint (full, and selective: matmul outputs saved) inside each
+    sharded decoder layer, eager: recomputation re-gathers the layer's weights and gives
+    exactly the same training, while saving fewer activations."""
     from tests import parity_jobs
 
-    with_ac = pool2.run(parity_jobs.train, "llama_ac", "ours-eager")[0]
     without = pool2.run(parity_jobs.train, "llama", "ours-eager")[0]
-    assert with_ac["loss"] == without["loss"]
-    _equal(with_ac["params"][-1], without["params"][-1])
+    saved_without = pool2.run(feature_jobs.saved_activation_bytes, "llama")[0]
+    for name in ("llama_ac", "llama_sac"):
+        with_ac = pool2.run(parity_jobs.train, name, "ours-eager")[0]
+        assert with_ac["loss"] == without["loss"], name
+        _equal(with_ac["params"][-1], without["params"][-1])
+        saved = pool2.run(feature_jobs.saved_activation_bytes, name)[0]
+        assert saved < saved_without, (name, saved, saved_without)
+
+
+def test_activation_checkpointing_under_compile_says_it_is_not_supported(pool2):
+    for message in pool2.run(feature_jobs.compiled_checkpointing_error):
+        assert "activation checkpointing (torch.utils.checkpoint) inside a compiled model" in message
+        assert "'layers.0'" in message and "Run the checkpointed model eagerly" in message
 
 
 def test_checkpoint_saved_at_two_ranks_resumes_at_one_and_four(pool2, rank_pools, tmp_path):
