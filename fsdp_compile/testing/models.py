@@ -4,6 +4,7 @@ input/output embedding)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +32,14 @@ class LlamaConfig:
     dim: int = 32
     n_layers: int = 2
     n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: n_heads)
     ffn_dim: int = 48
     max_seq_len: int = 64
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
-    activation_checkpointing: bool = False  # torch.utils.checkpoint around each decoder layer
+    # torch.utils.checkpoint inside each decoder layer: False, "full" (True) or
+    # "selective" (matmul outputs saved, everything else recomputed).
+    activation_checkpointing: bool | str = False
 
 
 class RMSNorm(nn.Module):
@@ -66,17 +70,27 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_heads if cfg.n_kv_heads is None else cfg.n_kv_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         self.head_dim = cfg.dim // cfg.n_heads
+        kv_dim = cfg.dim if self.n_kv_heads == self.n_heads else self.n_kv_heads * self.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, s, heads, self.head_dim).transpose(1, 2)
+            for w, heads in ((self.wq, self.n_heads), (self.wk, self.n_kv_heads), (self.wv, self.n_kv_heads))
+        )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.n_kv_heads == self.n_heads:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # each key/value head serves n_heads // n_kv_heads query heads
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -93,15 +107,36 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing policy: keep matmul outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        self.checkpointing = {False: None, True: "full", "full": "full", "selective": "selective"}[cfg.activation_checkpointing]
         self.attention_norm = RMSNorm(cfg.dim)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x, cos, sin):
+        # Checkpointing inside the layer, so that with fully_shard(layer) the unit's
+        # parameters are gathered before the checkpointed region (as with
+        # torchtitan's checkpoint_wrapper(block) followed by fully_shard(block)).
+        if self.checkpointing is None:
+            return self.block(x, cos, sin)
+        if self.checkpointing == "selective":
+            context_fn = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, _save_matmuls)
+            return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False, context_fn=context_fn)
+        return torch.utils.checkpoint.checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+    def block(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -126,9 +161,6 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            if self.cfg.activation_checkpointing:
-                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin)
+            h = layer(h, cos, sin)
         return self.output(self.norm(h))
 
