@@ -38,6 +38,7 @@ from fsdp_compile.passes.consistency import graph_name, insert_consistency_check
 from fsdp_compile.passes.graph_utils import our_collectives
 from fsdp_compile.passes.pinning import pin_schedule
 from fsdp_compile.passes.reordering import reorder_for_overlap
+from fsdp_compile.passes.checkpointing import save_random_ops_in_checkpointed_regions
 from fsdp_compile.passes.reshard import tag_reshard_after_forward
 from fsdp_compile.runtime.collectives import tag_of
 
@@ -48,31 +49,12 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     """Our joint-graph passes, in order."""
     _warn_if_recompile(gm)
     _warn_if_graph_break(gm.graph)
-    reject_checkpointed_regions(gm)
+    if _units_in(gm.graph):
+        save_random_ops_in_checkpointed_regions(gm)  # before our tags: only a checkpoint's are seen
     if config.reshard_pass:
         tag_reshard_after_forward(gm)
     debug.record_joint(gm)
     return gm
-
-
-def reject_checkpointed_regions(gm: fx.GraphModule) -> None:
-    """torch.utils.checkpoint inside a compiled sharded model fails in torch 2.13's
-    AOTAutograd after partitioning ("expected all tensors_saved_with_vc_check to be
-    Tensors": the DTensor parameters' DeviceMesh objects saved for backward are
-    counted as tensors once a graph has checkpointed regions). Say so up front,
-    on every rank alike (all compile the same graph), before any collective."""
-    units = _units_in(gm.graph)
-    if not units:
-        return
-    # Runs before our own tagging: any recompute policy here comes from a checkpoint.
-    if any("recompute" in n.meta for n in gm.graph.nodes):
-        raise NotImplementedError(
-            "fsdp_compile: activation checkpointing (torch.utils.checkpoint) inside a compiled "
-            f"model with sharded units {', '.join(repr(u or '(root)') for u in units)} is not supported "
-            "with torch 2.13 (AOTAutograd mishandles the DeviceMesh it saves for the backward once "
-            "a graph has checkpointed regions). Run the checkpointed model eagerly (fully supported), "
-            "or compile it without torch.utils.checkpoint."
-        )
 
 
 def fsdp_post_grad_pass(graph: fx.Graph) -> None:
