@@ -22,6 +22,8 @@ hint (``symbolic_size_hint``) and the fact is recorded in the report.
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass, field
 
 import torch
@@ -128,7 +130,7 @@ def node_flops(node: fx.Node, notes: set) -> int:
 
 def compute_seconds(node: fx.Node, profile: HardwareProfile, notes: set) -> float:
     target = node.target
-    if node.op != "call_function" or target in _FREE or target is WAIT:
+    if node.op != "call_function" or target in _FREE or target is WAIT or target is operator.getitem:
         return 0.0
     if isinstance(target, torch._ops.OpOverload) and target.is_view:
         return 0.0
@@ -203,19 +205,26 @@ def simulate(graph: fx.Graph, profile: HardwareProfile | str, *, ignore_own_copi
     timings: list[CollectiveTiming] = []
     spans: list[tuple[str, float, float]] = []
 
-    # Liveness for the memory peak: a value lives from its node to its last user
-    # (a collective's input until the collective's wait).
+    # Liveness for the memory peak: a buffer lives from its node to the last user
+    # of it or of any alias of it (views, waits, tuple items), and a collective's
+    # input until the collective's wait.
     position = {n: i for i, n in enumerate(nodes)}
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        source = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        root[n] = root.get(source, source) if _is_alias(n) and source is not None else n
     last_use: dict[fx.Node, int] = {}
     for n in nodes:
         for i in n.all_input_nodes:
-            last_use[i] = max(last_use.get(i, 0), position[n])
+            r = root.get(i, i)
+            last_use[r] = max(last_use.get(r, 0), position[n])
     for n in nodes:
         if collective_kind(n) and len(n.users) == 1:
             waiter = next(iter(n.users))
             src = n.args[0]
             if isinstance(src, fx.Node):
-                last_use[src] = max(last_use.get(src, 0), position[waiter])
+                r = root.get(src, src)
+                last_use[r] = max(last_use.get(r, 0), position[waiter])
     world_size = next((n.args[-2] for n in nodes if collective_kind(n) in ("all_gather", "reduce_scatter")), 2)
     frees: dict[int, list[fx.Node]] = {}
     for n, i in last_use.items():
@@ -261,8 +270,9 @@ def simulate(graph: fx.Graph, profile: HardwareProfile | str, *, ignore_own_copi
 
 
 def _is_alias(node: fx.Node) -> bool:
+    """A node whose result shares its first input's memory: views, waits, tuple items."""
     target = node.target
-    return (isinstance(target, torch._ops.OpOverload) and target.is_view) or target is WAIT
+    return (isinstance(target, torch._ops.OpOverload) and target.is_view) or target is WAIT or target is operator.getitem
 
 
 def choose_bucket_cap(graph: fx.Graph, profile: str, candidates_mb=(None, 64, 16, 4, 1)) -> int | None:

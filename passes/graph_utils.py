@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -125,10 +126,16 @@ def _plain(value):
     return value
 
 
+_FAKE_MODES: "weakref.WeakKeyDictionary[fx.Graph, object]" = weakref.WeakKeyDictionary()
+
+
 def _fake_mode_of(graph: fx.Graph):
-    """The fake mode the graph's recorded values live in (from its inputs)."""
-    values = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    """The fake mode the graph's recorded values live in (from its inputs); looked up
+    once per graph (``emit`` asks for every node it adds)."""
+    if graph not in _FAKE_MODES:
+        values = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
+        _FAKE_MODES[graph] = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    return _FAKE_MODES[graph]
 
 
 def stable_topological_sort(graph: fx.Graph) -> None:

@@ -51,3 +51,23 @@ def test_auto_bucketing_is_rank_independent():
     """Rank 1 pads (extra copy nodes); the choice must still be the same on both ranks."""
     choices = {choose_bucket_cap(build_unit_graph(2, rank, "0", 4)[0].graph, "cpu-gloo") for rank in (0, 1)}
     assert len(choices) == 1
+
+
+def test_a_view_keeps_its_buffer_alive():
+    """A buffer read later only through a view (a saved activation, a gathered weight after
+    its wait) stays live in the memory peak until that last use."""
+    import torch
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.graph_utils import aten, emit
+
+    graph, mode = fx.Graph(), FakeTensorMode()
+    x = graph.placeholder("x")
+    with mode:
+        x.meta["val"] = torch.empty(256, 256)
+    big = emit(graph, aten.mm.default, (x, x))  # 256 KiB
+    view = emit(graph, aten.t.default, (big,))
+    other = emit(graph, aten.relu.default, (x,))  # another 256 KiB while `big` is still needed
+    graph.output((view, other))
+    assert simulate(graph, "cpu-gloo").peak_bytes == 2 * 256 * 256 * 4
