@@ -1,6 +1,10 @@
-"""Peak memory per rank: ours compiled vs torch FSDP2 eager (2 CPU ranks, gloo).
+"""Peak memory per rank: ours vs torch FSDP2, eager and compiled (2 CPU ranks, gloo).
 
-    python -m benchmarks.memory [--layers 16] [--dim 2048] [--batch 16]
+    python -m benchmarks.memory [--layers 16] [--dim 2048] [--batch 16] [--quick]
+
+Eight setups: {FSDP2 eager, FSDP2 + torch.compile, ours eager, ours compiled}
+x reshard_after_forward {True, False} (set on every layer; the root keeps
+FSDP2's default).
 
 A bias-free MLP, each layer its own unit. After two warm-up steps, one step is
 measured: "kept after forward" is the resident memory the forward leaves for
@@ -17,10 +21,14 @@ import gc
 import os
 
 SETUPS = [
-    ("fsdp2 eager", "fsdp2", None, True),
-    ("ours compiled (inductor), reshard=True", "ours", "inductor", True),
-    ("ours compiled (inductor), reshard=False", "ours", "inductor", False),
-    ("ours eager, reshard=True", "ours", None, True),
+    (f"{name}, reshard={reshard}", kind, backend, reshard)
+    for reshard in (True, False)
+    for name, kind, backend in (
+        ("fsdp2 eager", "fsdp2", None),
+        ("fsdp2 + torch.compile", "fsdp2", "inductor"),
+        ("ours eager", "ours", None),
+        ("ours compiled", "ours", "inductor"),
+    )
 ]
 
 
@@ -64,12 +72,52 @@ def measure(kind: str, backend: str | None, reshard: bool, layers: int, dim: int
     return {"kept_mib": kept, "peak_mib": peak, "layer_mib": layer_mib}
 
 
+def measure_checkpointing(mode, backend: str | None, layers: int, dim: int, seq: int, batch: int) -> dict:
+    """A Llama-style model with ``activation_checkpointing=mode`` inside each sharded
+    decoder layer: resident memory the forward keeps, and the step's peak."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks._memory_probe import hwm_mib, reset_hwm, rss_mib
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, dim=dim, n_layers=layers, n_heads=8, ffn_dim=dim * 8 // 3, max_seq_len=seq, activation_checkpointing=mode)
+    model = Llama(cfg)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    run = torch.compile(model, backend=backend) if backend else model
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+
+    def step():
+        gc.collect()
+        before = rss_mib()
+        reset_hwm()
+        loss = F.cross_entropy(run(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        kept = rss_mib() - before
+        loss.backward()
+        peak = hwm_mib() - before
+        for p in model.parameters():
+            p.grad = None
+        return kept, peak
+
+    for _ in range(2):
+        step()
+    kept, peak = step()
+    return {"kept_mib": kept, "peak_mib": peak}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="4 layers of width 512 (a smoke run)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.dim, args.batch = 4, 512, 8
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from fsdp_compile.testing import RankPool
@@ -88,6 +136,21 @@ def main(argv=None) -> None:
         kept = " / ".join(f"{r['kept_mib']:.0f} ({r['kept_mib'] / layer_mib:.1f})" for r in per_rank)
         peak = " / ".join(f"{r['peak_mib']:.0f}" for r in per_rank)
         print(f"| {label} | {kept} | {peak} |")
+
+    # Activation checkpointing inside each sharded decoder layer.
+    ac_layers, ac_dim, ac_seq, ac_batch = (2, 128, 128, 2) if args.quick else (4, 512, 1024, 4)
+    ac_rows = []
+    with RankPool(2, timeout_s=1800) as pool:
+        for backend in (None, "inductor"):
+            for mode in (False, "selective", "full"):
+                r = pool.run(measure_checkpointing, mode, backend, ac_layers, ac_dim, ac_seq, ac_batch)[0]
+                ac_rows.append((f"ours {'compiled' if backend else 'eager'}", mode or "none", r))
+    print(f"\nActivation checkpointing: Llama-style, {ac_layers} layers, dim {ac_dim}, seq {ac_seq}, "
+          f"batch {ac_batch}/rank, 2 ranks (rank 0)\n")
+    print("| setup | checkpointing | kept after forward (MiB) | step peak (MiB) |")
+    print("|---|---|---|---|")
+    for setup, mode, r in ac_rows:
+        print(f"| {setup} | {mode} | {r['kept_mib']:.0f} | {r['peak_mib']:.0f} |")
 
 
 if __name__ == "__main__":

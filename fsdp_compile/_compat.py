@@ -164,6 +164,30 @@ def in_backward_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def compile_fx_up_to_post_grad():
+    """A ``torch.compile`` backend running Inductor's pipeline (decompositions, joint
+    passes, partitioner, post-grad passes) but no code generation: the graphs run
+    as they are (benchmarks/scale.py traces models far larger than this machine
+    on fake tensors). Copies what torch/_inductor/compile_fx.py's
+    ``compile_fx_inner`` does before lowering (torch 2.13 internals)."""
+    from functorch.compile import make_boxed_func
+    from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx, fake_tensor_prop, view_to_reshape
+    from torch._inductor.virtualized import V
+
+    def up_to_post_grad(gm, example_inputs, **kwargs):
+        view_to_reshape(gm)
+        with torch.no_grad():
+            fake_mode = fake_tensor_prop(gm, example_inputs)
+        with V.set_fake_mode(fake_mode):
+            _recursive_post_grad_passes(gm, is_inference=kwargs.get("is_inference", False))
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs, inner_compile=up_to_post_grad)
+
+    return backend
+
+
 def register_fake_process_group() -> None:
     """torch/testing/_internal/distributed/fake_pg.py registers backend "fake"."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
@@ -178,6 +202,7 @@ __all__ = [
     "is_backward_node",
     "group_name_of",
     "flat_group_of",
+    "compile_fx_up_to_post_grad",
     "in_backward_recompute",
     "outside_dispatch_modes",
     "register_fake_process_group",

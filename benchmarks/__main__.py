@@ -1,0 +1,98 @@
+"""Run every benchmark and print its tables: ``python -m benchmarks [--quick] [--only a,b]``.
+
+Each benchmark runs in its own Python process (they start rank pools or a
+``fake`` process group of their own), in this order, and its output is
+printed under a heading with the command that reproduces it and its run time:
+
+* ``step_time``    step time, tokens/s, compile time and graphs: FSDP2 eager,
+                   FSDP2 + torch.compile, ours eager / compiled (2 CPU ranks, loopback);
+* ``shaped_link``  the same over a veth pair shaped with tc (root only; skips otherwise);
+* ``memory``       peak memory per rank, reshard_after_forward True and False;
+* ``comm_volume``  bytes and collectives per step vs the ideal;
+* ``graph_count``  graphs, frames and graph breaks per step;
+* ``passes_vs_builtin``  ours vs Inductor's built-in bucketing (modelled);
+* ``scale``        Llama-3-8B / 70B shapes at 8-512 ranks (modelled);
+* ``dynamic_shapes``  compiles over varying lengths (full mode only: minutes of cold compiles).
+
+``--quick`` gives every benchmark its small sizes (the whole run takes a few
+minutes on 2 cores; CI runs it as a smoke test). Without it: the sizes
+BENCHMARKS.md reports, which take much longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+BENCHMARKS = ["step_time", "shaped_link", "memory", "comm_volume", "graph_count", "passes_vs_builtin", "scale", "dynamic_shapes"]
+QUICK_ARGS = {
+    "step_time": ["--quick"],
+    "shaped_link": ["--quick"],
+    "memory": ["--quick"],
+    "comm_volume": ["--quick"],
+    "graph_count": ["--layers", "2"],
+    "passes_vs_builtin": ["--layers", "2", "--dim", "128", "--seq", "64"],
+    "scale": ["--quick"],
+}
+FULL_ONLY = {"dynamic_shapes"}
+
+
+class BenchmarkFailed(RuntimeError):
+    pass
+
+
+def run_one(name: str, quick: bool, timeout_s: float) -> tuple[str, float]:
+    """Run ``python -m benchmarks.<name>``; its standard output and run time."""
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *(QUICK_ARGS.get(name, []) if quick else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise BenchmarkFailed(
+            f"{' '.join(cmd[1:])} exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc.stdout.strip(), elapsed
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every benchmark")
+    p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
+    args = p.parse_args(argv)
+    names = args.only.split(",") if args.only else [b for b in BENCHMARKS if not (args.quick and b in FULL_ONLY)]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
+
+    import torch
+
+    print(f"# fsdp-compile benchmarks{' (quick mode: smoke sizes, not the reported numbers)' if args.quick else ''}\n")
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
+          f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}\n")
+    total = time.perf_counter()
+    failed = []
+    for name in names:
+        command = " ".join(["python -m benchmarks." + name, *(QUICK_ARGS.get(name, []) if args.quick else [])])
+        print(f"## {name} — `{command}`\n", flush=True)
+        try:
+            out, elapsed = run_one(name, args.quick, args.timeout)
+        except (BenchmarkFailed, subprocess.TimeoutExpired) as e:
+            print(f"FAILED: {e}\n", flush=True)
+            failed.append(name)
+            continue
+        print(out + f"\n\n({elapsed:.0f} s)\n", flush=True)
+        has_table = any(line.startswith("|---") for line in out.splitlines())
+        if not has_table and "skipped" not in out.lower():
+            print(f"FAILED: {name} printed no table\n", flush=True)
+            failed.append(name)
+    print(f"All benchmarks: {time.perf_counter() - total:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

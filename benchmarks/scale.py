@@ -1,0 +1,578 @@
+"""Scale by simulation: Llama-3-8B / 70B shaped FSDP steps at 8, 64 and 512 ranks (modelled).
+
+    python -m benchmarks.scale [--quick] [--extrapolate] [--models llama3-8b llama3-70b]
+                               [--world-sizes 8 64 512] [--layers K]
+
+Nothing here runs a real step: the models are far too big for a CPU machine.
+Each configuration is *traced* at full width with no memory behind it:
+
+* the model is built on the ``meta`` device, sharded with our ``fully_shard``
+  (one unit per decoder layer plus the root; bf16 parameters and gathers, fp32
+  gradient reduction, as torchtitan) at world size N on the ``fake`` process
+  group, then materialised as CPU ``FakeTensor``s (``to_empty`` under a
+  ``FakeTensorMode``; CPU rather than meta so that SDPA traces as the fused
+  flash-attention op, as on a GPU, not as the math decomposition);
+* one training step (forward, cross-entropy in fp32, backward; batch 1,
+  sequence 8192) is compiled through Inductor's own pipeline up to its
+  post-grad passes: Dynamo, AOTAutograd with Inductor's decompositions and
+  joint-graph passes, our joint pass (reshard-after-forward recompute tags),
+  the min-cut partitioner, and Inductor's post-grad passes, where our
+  post-grad pass is replaced by a capture of the graph. Inductor's code
+  generation is skipped (its inner compiler returns the graph, which runs on
+  fake tensors);
+* on copies of the captured forward and backward graphs we run, timed, what
+  ``passes/registration.py`` runs for the default configuration (bucketing,
+  reordering; pinning is timed separately since it only adds ordering edges),
+  and simulate them with ``passes/cost_model.py`` on ``h100-nvlink`` and
+  ``h100-ib-400g``. "Step without our passes" simulates the captured graph
+  as traced (one collective per parameter, each waited at once).
+
+Depth: every model is traced at full depth (on 2 otherwise idle cores:
+8B about 45 s, 70B about 2 minutes per world size; about 10 minutes in
+all). ``--extrapolate`` instead traces models deeper than 32 layers at 4
+and 8 layers (full width) and extrapolates every modelled quantity (times,
+bytes, FLOPs, collective counts, peak memory) linearly in the number of
+layers: the decoder layers are identical, so each adds the same amount once
+the schedule is periodic. Checked against full-depth traces at N = 8 (8B
+and 70B): every modelled figure agrees within 0.1%. The run time of our
+passes grows faster than linearly with depth, so it is not extrapolated.
+
+Memory per rank: the simulation's peak of live bytes produced by each graph
+(graph inputs excluded) and the same peak counted keeping a value live while
+an alias of it (a view, ``wait_tensor``) is used (``simulate`` frees it at
+its last direct use, which undercounts); the activations the forward saves
+for the backward; and the sharded fp32 parameters + gradients + Adam moments
+(16 bytes per parameter / N, rank 0's padded shards). The estimated peak is
+``params + Adam (12 B / parameter / N) + max(forward peak, saved + backward
+peak)`` with the alias-keeping peaks (the backward's includes the sharded
+gradients it produces; gradients are freed between steps): an upper bound,
+as the backward frees saved activations as it goes.
+
+Everything is MODELLED by our cost model, not measured, with its
+simplifications: every post-grad node is its own kernel (no fusion, so
+memory-bound pointwise work is overcounted), causal attention is counted as
+full attention, a collective's latency is one ``alpha`` whatever N (no
+per-hop ring latency), and one link bandwidth per profile (``h100-nvlink``
+beyond 8 GPUs is hypothetical: NVLink domains hold 8). ``--quick``:
+Llama-3-8B at 2 layers, N = 8 only (about 20 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+SEQ_LEN = 8192
+BATCH = 1
+WORLD_SIZES = (8, 64, 512)
+PROFILE_NAMES = ("h100-nvlink", "h100-ib-400g")
+#: With ``extrapolate``, models deeper than this are traced at EXTRAPOLATION_DEPTHS layers.
+MAX_TRACED_DEPTH = 32
+EXTRAPOLATION_DEPTHS = (4, 8)
+
+
+def model_configs():
+    """Llama-3 shapes (untied input/output embeddings, grouped-query attention)."""
+    from fsdp_compile.testing.models import LlamaConfig
+
+    common = dict(vocab_size=128256, max_seq_len=SEQ_LEN, tie_embeddings=False, rope_theta=500000.0)
+    return {
+        "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, **common),
+        "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, **common),
+    }
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int):
+    """The default process group is a ``fake`` one of ``world_size`` ranks inside the block.
+    A ``fake`` group already there (another benchmark's) is put back afterwards."""
+    import torch.distributed as dist
+
+    from fsdp_compile._compat import register_fake_process_group
+
+    previous = None
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise RuntimeError("benchmarks.scale needs its own `fake` default process group; a real one is initialised")
+        previous = (dist.get_rank(), dist.get_world_size())
+        dist.destroy_process_group()
+    register_fake_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if previous is not None:
+            dist.init_process_group("fake", rank=previous[0], world_size=previous[1])
+
+
+def _sharded_model(cfg, fake_mode):
+    """``cfg`` built on meta, sharded per decoder layer + root, then fake CPU tensors."""
+    import torch
+
+    from fsdp_compile import MixedPrecisionPolicy, fully_shard
+    from fsdp_compile.testing.models import Llama
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    with fake_mode:
+        model.to_empty(device="cpu")
+        # bf16 rotary tables keep q and k in bf16 (fp32 tables would promote them).
+        model.rope_cos = model.rope_cos.to(torch.bfloat16)
+        model.rope_sin = model.rope_sin.to(torch.bfloat16)
+    return model
+
+
+def parameter_counts(cfg, world_size: int) -> tuple[int, int, int]:
+    """(parameters, of which in the root unit, parameters on rank 0 incl. padding) of
+    ``cfg``, from a meta-device model: each parameter is split along dim 0
+    like ``torch.chunk``, rank 0 holding the largest piece (``ceil(dim0 / N)`` rows)."""
+    import torch
+
+    from fsdp_compile.testing.models import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    root = total - sum(p.numel() for p in model.layers.parameters())
+    local = sum(-(-p.shape[0] // world_size) * (p[0].numel() if p.dim() > 1 else 1) for p in model.parameters())
+    return total, root, local
+
+
+@dataclass
+class Trace:
+    """Forward and backward post-grad graphs of one step, before our post-grad passes."""
+
+    forward: object  # fx.GraphModule
+    backward: object
+    trace_s: float
+
+
+def trace_step(cfg, world_size: int) -> Trace:
+    """Compile one training step of ``cfg`` sharded over ``world_size`` fake ranks (see the
+    module docstring) and return its captured graphs."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    import torch.fx as fx
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile._compat import compile_fx_up_to_post_grad
+    from fsdp_compile.passes.cost_model import _copy_graph
+
+    captured: list[fx.GraphModule] = []
+
+    def capture(graph: fx.Graph) -> None:  # stands in for our post-grad pass
+        captured.append(fx.GraphModule(torch.nn.Module(), _copy_graph(graph)))
+
+    backend = compile_fx_up_to_post_grad()
+
+    start = time.perf_counter()
+    torch._dynamo.reset()
+    try:
+        with _fake_world(world_size):
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            model = _sharded_model(cfg, fake_mode)
+
+            def step(tokens, targets):
+                logits = model(tokens)
+                return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+            with (
+                inductor_config.patch(post_grad_custom_post_pass=[capture]),
+                functorch_config.patch(enable_autograd_cache=False),
+                fake_mode,
+            ):
+                tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ_LEN))
+                targets = torch.randint(0, cfg.vocab_size, (BATCH, SEQ_LEN))
+                torch.compile(step, backend=backend, fullgraph=True)(tokens, targets).backward()
+    finally:
+        torch._dynamo.reset()
+    if len(captured) != 2:
+        raise RuntimeError(f"expected one forward and one backward graph, captured {len(captured)}")
+    return Trace(captured[0], captured[1], time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------- passes and simulation
+
+
+def run_our_passes(gm) -> tuple[object, float, float]:
+    """A copy of ``gm`` after our post-grad passes, as ``registration.py`` runs them
+    (bucketing, reordering); returns (graph, their seconds, pinning seconds on a further copy)."""
+    import torch.fx as fx
+
+    from fsdp_compile import config
+    from fsdp_compile.passes.bucketing import bucket_collectives
+    from fsdp_compile.passes.cost_model import _copy_graph, choose_bucket_cap
+    from fsdp_compile.passes.pinning import pin_schedule
+    from fsdp_compile.passes.reordering import reorder_for_overlap
+
+    def ours():
+        graph = _copy_graph(gm.graph)
+        start = time.perf_counter()
+        if config.bucketing:
+            cap = int(config.bucket_cap_mb * 2**20) if config.bucket_mode == "cap" else None
+            if config.bucket_mode == "auto":
+                cap = choose_bucket_cap(graph, config.hardware_profile)
+            bucket_collectives(graph, cap)
+        if config.reorder:
+            reorder_for_overlap(
+                graph,
+                prefetch_depth=config.prefetch_depth,
+                reduce_scatter_depth=config.reduce_scatter_depth,
+                max_inflight_bytes=config.max_inflight_bytes,
+            )
+        return graph, time.perf_counter() - start
+
+    (graph, first_s), (_, second_s) = ours(), ours()  # the faster of two runs: the first one warms up
+    pinned = fx.GraphModule(gm, _copy_graph(graph))
+    start = time.perf_counter()
+    pin_schedule(pinned.graph, config.reduce_scatter_depth)
+    return graph, min(first_s, second_s), time.perf_counter() - start
+
+
+@dataclass
+class Measures:
+    """Per-step quantities of one (model, depth, N). All but the run times grow by the same
+    amount per decoder layer, so they extrapolate linearly in depth."""
+
+    flops: float = 0.0  # matmul + attention FLOPs counted in the graphs
+    comm_bytes: float = 0.0  # bytes each rank sends, ring: (N-1)/N * buffer
+    # (forward all-gathers, backward all-gathers, reduce-scatters + all-reduces)
+    collectives_traced: tuple = (0, 0, 0)
+    collectives: tuple = (0, 0, 0)
+    peak_forward: float = 0.0  # simulate()'s peak
+    peak_backward: float = 0.0
+    peak_forward_aliases: float = 0.0  # peak_live_bytes_keeping_aliases
+    peak_backward_aliases: float = 0.0
+    saved: float = 0.0  # forward outputs the backward reads (activations, kept gathers)
+    passes_s: float | None = 0.0  # None: not measured (extrapolated depth)
+    pinning_s: float | None = 0.0
+    trace_s: float = 0.0
+    # profile -> (step, compute, communication, exposed, step without our passes), seconds
+    times: dict = field(default_factory=dict)
+
+
+def _collectives(graph) -> list:
+    from fsdp_compile.passes.cost_model import collective_kind
+
+    return [n for n in graph.nodes if collective_kind(n) in ("all_gather", "reduce_scatter", "all_reduce")]
+
+
+def _count_by_kind(forward, backward) -> tuple:
+    from fsdp_compile.passes.cost_model import collective_kind
+
+    def count(graph, kinds):
+        return sum(1 for n in graph.nodes if collective_kind(n) in kinds)
+
+    return count(forward, ("all_gather",)), count(backward, ("all_gather",)), count(backward, ("reduce_scatter", "all_reduce"))
+
+
+def _saved_for_backward(forward) -> list:
+    """Forward outputs the graph itself produced (views resolved to their base;
+    graph inputs such as the sharded parameters and the tokens left out)."""
+    import torch
+
+    (output,) = [n for n in forward.nodes if n.op == "output"]
+    bases = {}
+    for node in output.args[0]:
+        while hasattr(node, "op") and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+            node = node.args[0]
+        if hasattr(node, "op") and node.op == "call_function":
+            bases[node] = None
+    return list(bases)
+
+
+def peak_live_bytes_keeping_aliases(graph) -> int:
+    """Peak of live bytes produced by ``graph``, like ``simulate``'s, except that a value
+    stays live while any alias of it (view, ``wait_tensor``, ``getitem`` of a tuple) is
+    still used: ``simulate`` frees a value at its last *direct* use, so a tensor read
+    only through a view (most saved activations, every gathered weight after its wait)
+    counts as freed early."""
+    import operator
+
+    from fsdp_compile.passes.cost_model import _is_alias, collective_kind, tensor_bytes
+
+    def is_alias(node) -> bool:
+        return node.op == "call_function" and (_is_alias(node) or node.target is operator.getitem)
+
+    def base(node):
+        while is_alias(node) and node.args and hasattr(node.args[0], "op"):
+            node = node.args[0]
+        return node
+
+    nodes = list(graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    last_use: dict = {}
+
+    def used_at(node, i: int) -> None:
+        last_use[base(node)] = max(last_use.get(base(node), i), i)
+
+    for i, node in enumerate(nodes):
+        for used in node.all_input_nodes:
+            used_at(used, i)
+        if collective_kind(node) and hasattr(node.args[0], "op"):  # the input lives until the wait
+            for wait in node.users:
+                used_at(node.args[0], position[wait])
+    frees = {}
+    for node, i in last_use.items():
+        frees.setdefault(i, []).append(node)
+    live = peak = 0
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and not is_alias(node):
+            live += tensor_bytes(node)
+            peak = max(peak, live)
+        for dead in frees.get(i, []):
+            if dead.op == "call_function" and not is_alias(dead):
+                live -= tensor_bytes(dead)
+    return peak
+
+
+def measure(tr: Trace) -> Measures:
+    from fsdp_compile.passes.cost_model import collective_kind, node_flops, simulate, tensor_bytes
+
+    m = Measures(trace_s=tr.trace_s)
+    finals = []
+    for gm in (tr.forward, tr.backward):
+        final, passes_s, pinning_s = run_our_passes(gm)
+        finals.append(final)
+        m.passes_s += passes_s
+        m.pinning_s += pinning_s
+    m.collectives_traced = _count_by_kind(tr.forward.graph, tr.backward.graph)
+    m.collectives = _count_by_kind(*finals)
+    for final in finals:
+        notes: set = set()
+        m.flops += sum(node_flops(n, notes) for n in final.nodes if n.op == "call_function")
+        for n in _collectives(final):
+            world_size = n.args[-2]
+            buffer = tensor_bytes(n) if collective_kind(n) == "all_gather" else tensor_bytes(n.args[0])
+            m.comm_bytes += (world_size - 1) / world_size * buffer
+    m.saved = sum(tensor_bytes(n) for n in _saved_for_backward(tr.forward.graph))
+    m.peak_forward_aliases, m.peak_backward_aliases = (peak_live_bytes_keeping_aliases(g) for g in finals)
+    for profile in PROFILE_NAMES:
+        sims = [simulate(g, profile) for g in finals]
+        raw = [simulate(gm.graph, profile) for gm in (tr.forward, tr.backward)]
+        m.times[profile] = (
+            sum(s.step_s for s in sims),
+            sum(s.compute_s for s in sims),
+            sum(s.communication_s for s in sims),
+            sum(s.exposed_s for s in sims),
+            sum(s.step_s for s in raw),
+        )
+        m.peak_forward, m.peak_backward = sims[0].peak_bytes, sims[1].peak_bytes
+    return m
+
+
+def _extrapolate(a: Measures, b: Measures, depth_a: int, depth_b: int, depth: int) -> Measures:
+    """Linear in the number of layers through the two traced depths."""
+    k = (depth - depth_a) / (depth_b - depth_a)
+
+    def line(x, y):
+        return x + k * (y - x)
+
+    out = Measures()
+    for name in ("flops", "comm_bytes", "peak_forward", "peak_backward", "peak_forward_aliases",
+                 "peak_backward_aliases", "saved"):
+        setattr(out, name, line(getattr(a, name), getattr(b, name)))
+    out.passes_s = out.pinning_s = None  # grow faster than linearly with depth: not extrapolated
+    for name in ("collectives_traced", "collectives"):
+        setattr(out, name, tuple(round(line(x, y)) for x, y in zip(getattr(a, name), getattr(b, name))))
+    out.trace_s = a.trace_s + b.trace_s  # what it cost here
+    out.times = {p: tuple(line(x, y) for x, y in zip(a.times[p], b.times[p])) for p in a.times}
+    return out
+
+
+# --------------------------------------------------------------------------- the runs and the tables
+
+
+@dataclass
+class Result:
+    model: str
+    cfg: object
+    world_size: int
+    how: str  # how the numbers were obtained (traced depth, or extrapolated)
+    m: Measures
+    params: int
+    root_params: int
+    local_params: int  # on rank 0, padded
+
+
+def run_config(name: str, cfg, world_size: int, extrapolate: bool = False, layers: int | None = None) -> Result:
+    """``cfg`` at ``world_size``: traced at ``layers`` (default: full depth), or, with
+    ``extrapolate`` and a model deeper than MAX_TRACED_DEPTH, traced at EXTRAPOLATION_DEPTHS
+    and extrapolated to full depth."""
+    depth = layers or cfg.n_layers
+    counts = parameter_counts(replace(cfg, n_layers=depth), world_size)
+    if not extrapolate or depth <= MAX_TRACED_DEPTH:
+        m = measure(trace_step(replace(cfg, n_layers=depth), world_size))
+        how = f"traced, {depth} layers" + (f" (of {cfg.n_layers})" if depth < cfg.n_layers else "")
+        return Result(name, replace(cfg, n_layers=depth), world_size, how, m, *counts)
+    da, db = EXTRAPOLATION_DEPTHS
+    ma = measure(trace_step(replace(cfg, n_layers=da), world_size))
+    mb = measure(trace_step(replace(cfg, n_layers=db), world_size))
+    how = f"extrapolated to {depth} layers from traces of {da} and {db}"
+    return Result(name, replace(cfg, n_layers=depth), world_size, how, _extrapolate(ma, mb, da, db, depth), *counts)
+
+
+def _expected_flops(r: Result) -> float:
+    """6 x (parameters outside the embedding lookup) x tokens, plus attention as the cost
+    model counts it (4 b h s^2 d forward, twice that backward; causal masking not halved)."""
+    c = r.cfg
+    tokens = BATCH * SEQ_LEN
+    dense = 6 * (r.params - c.vocab_size * c.dim) * tokens
+    attention = 12 * c.n_layers * BATCH * c.n_heads * SEQ_LEN**2 * (c.dim // c.n_heads)
+    return dense + attention
+
+
+def _expected_comm_bytes(r: Result) -> float:
+    """Ring volume per rank: (N-1)/N x (bf16 forward gather of every parameter + bf16
+    backward re-gather of the resharded layers (not the root) + fp32 reduce-scatter)."""
+    n = r.world_size
+    return (n - 1) / n * (2 * r.params + 2 * (r.params - r.root_params) + 4 * r.params)
+
+
+GiB, GB = 2**30, 1e9
+
+
+def _title(r: Result) -> str:
+    c = r.cfg
+    return (
+        f"{r.model} shaped ({r.params / 1e9:.2f}B parameters: dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads, "
+        f"{c.n_kv_heads} kv heads, ffn {c.ffn_dim}, vocab {c.vocab_size}), seq {SEQ_LEN}, batch {BATCH} per rank"
+    )
+
+
+def time_table(results: list[Result]) -> str:
+    r0 = results[0]
+    rows = [
+        f"**Step time, MODELLED (not measured)** — {_title(r0)}; {r0.how}",
+        "",
+        "| N | profile | step (ms) | compute (ms) | communication (ms) | exposed comm. (ms) | overlap "
+        "| tokens/s per rank | step without our passes (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for profile, (step, compute, comm, exposed, raw) in r.m.times.items():
+            overlap = 1 - exposed / comm if comm else 1.0
+            rows.append(
+                f"| {r.world_size} | {profile} | {step * 1e3:.0f} | {compute * 1e3:.0f} | {comm * 1e3:.0f} "
+                f"| {exposed * 1e3:.0f} | {overlap:.0%} | {BATCH * SEQ_LEN / step:.0f} | {raw * 1e3:.0f} |"
+            )
+    return "\n".join(rows)
+
+
+def _seconds(s: float | None) -> str:
+    return "n/a (extrapolated)" if s is None else f"{s:.2f}"
+
+
+def memory_table(results: list[Result]) -> str:
+    r0 = results[0]
+    rows = [
+        f"**Memory per rank, collectives, pass run time** — {r0.model}; {r0.how}; memory MODELLED",
+        "",
+        "| N | collectives traced → after our passes (fwd all-gather + bwd all-gather + reduce-scatter) "
+        "| forward peak: simulate / aliases kept (GiB) | saved for backward (GiB) "
+        "| backward peak: simulate / aliases kept (GiB) | params+grads+Adam, fp32 sharded (GiB) "
+        "| est. peak per rank (GiB, upper bound) | bucketing + reordering (s) | pinning (s) | trace (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        m = r.m
+        state = 16 * r.local_params  # fp32 parameters, gradients, Adam's two moments
+        total = 12 * r.local_params + max(m.peak_forward_aliases, m.saved + m.peak_backward_aliases)
+        rows.append(
+            f"| {r.world_size} | {'+'.join(map(str, m.collectives_traced))} → {'+'.join(map(str, m.collectives))} "
+            f"| {m.peak_forward / GiB:.1f} / {m.peak_forward_aliases / GiB:.1f} | {m.saved / GiB:.1f} "
+            f"| {m.peak_backward / GiB:.1f} / {m.peak_backward_aliases / GiB:.1f} | {state / GiB:.1f} "
+            f"| {total / GiB:.1f} | {_seconds(m.passes_s)} | {_seconds(m.pinning_s)} | {m.trace_s:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def sanity_table(results: list[Result]) -> str:
+    rows = [
+        "**Sanity checks: what the graphs hold vs the textbook formulas** (per rank, per step)",
+        "",
+        "| model | N | FLOPs in graphs (TFLOP) | 6·P·T + attention (TFLOP) | sent per rank (GB) "
+        "| (N−1)/N·(2+2+4 B)·P (GB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.model} | {r.world_size} | {r.m.flops / 1e12:.1f} | {_expected_flops(r) / 1e12:.1f} "
+            f"| {r.m.comm_bytes / GB:.2f} | {_expected_comm_bytes(r) / GB:.2f} |"
+        )
+    rows += [
+        "",
+        "P: parameters; T: tokens per rank; attention counted as the cost model does (causal mask not halved); "
+        "embedding lookup not a matmul. Sent bytes: bf16 forward all-gather, bf16 backward re-gather "
+        "(decoder layers only; the root keeps its gathered weights), fp32 reduce-scatter; the graphs' "
+        "figure is a little higher where dim 0 pads to a multiple of N.",
+    ]
+    return "\n".join(rows)
+
+
+def run(quick: bool = False, models=None, world_sizes=None, extrapolate: bool = False, layers: int | None = None):
+    """All results, grouped by model."""
+    configs = model_configs()
+    if quick:
+        models, world_sizes, layers = models or ["llama3-8b"], world_sizes or [8], layers or 2
+    grouped = {}
+    for name in models or list(configs):
+        grouped[name] = [run_config(name, configs[name], n, extrapolate, layers) for n in world_sizes or WORLD_SIZES]
+    return grouped
+
+
+def tables(quick: bool = False, **kwargs) -> list[str]:
+    """The result tables as markdown strings (for ``python -m benchmarks``)."""
+    grouped = run(quick, **kwargs)
+    out = []
+    for results in grouped.values():
+        out += [time_table(results), memory_table(results)]
+    out.append(sanity_table([r for results in grouped.values() for r in results]))
+    return out
+
+
+HEADER = (
+    "MODELLED, NOT MEASURED: every time and memory figure below comes from fsdp_compile's cost model "
+    "(passes/cost_model.py) run on graphs traced with fake tensors on the `fake` process group; "
+    "no step ran. Profiles: " + ", ".join(PROFILE_NAMES) + "."
+)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="llama3-8b at 2 layers, N=8 only")
+    p.add_argument("--models", nargs="+", choices=sorted(model_configs()), default=None)
+    p.add_argument("--world-sizes", nargs="+", type=int, default=None)
+    p.add_argument(
+        "--extrapolate",
+        action="store_true",
+        help=f"trace models deeper than {MAX_TRACED_DEPTH} layers at {EXTRAPOLATION_DEPTHS} layers and extrapolate",
+    )
+    p.add_argument("--layers", type=int, default=None, help="trace this many layers and report them as they are")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    start = time.perf_counter()
+    out = tables(
+        args.quick, models=args.models, world_sizes=args.world_sizes, extrapolate=args.extrapolate, layers=args.layers
+    )
+    print(f"\n{HEADER}\n")
+    for table in out:
+        print(table, end="\n\n")
+    print(f"(benchmarks.scale took {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
