@@ -1,11 +1,47 @@
-"""Step time on 2 CPU ranks (gloo, loopback): ours vs torch FSDP2, eager and compiled.
+"""Step time on 2 CPU ranks (gloo, loopback): ours vs torch FSDP2, eager and compiled,
+against a compute-only run of the same setups on one rank.
 
-    python -m benchmarks.step_time [--layers 4] [--dim 512] [--seq 256] [--steps 8]
+    python -m benchmarks.step_time [--quick] [--layers 8] [--dim 512] [--vocab 16384]
+                                   [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
+                                   [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
+                                             ours-compiled-nopasses,ours-compiled]
 
-A Llama-style model, one unit per decoder layer plus the root. All setups are
-built first and compiled by a warm-up step, then timed round-robin (one step
-of each setup in turn) so that machine noise hits all alike. Reports the median
-step time, tokens/s and the first step (compile) time per setup.
+A Llama-style model (tied embeddings), one unit per decoder layer plus the root,
+AdamW, fp32. Five setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
+ours compiled with our passes off (``config.patch(bucketing=False, reorder=False)``)
+and ours compiled. Default model: 33.6M parameters; ``--quick`` uses a 0.1M-parameter
+model and 3 steps (a smoke run: 1-2 minutes with warm compile caches).
+
+One process group of 2 ranks (gloo over loopback, started by ``RankPool``, 1
+thread per rank), ``--batch`` sequences per rank. Each setup is built twice:
+
+- **2 ranks**: sharded over both ranks;
+- **compute-only**: sharded over a 1-rank group of each rank's own (world size 1,
+  the same per-rank batch), so the compute per rank is the same and the
+  collectives are local copies. Both ranks run it at once, so it sees the same
+  CPU contention as the 2-rank run (both cores busy).
+  "Exposed communication" = median step (2 ranks) - median step (compute-only).
+
+Every variant is built first, then each one's first step is run (compiles; timed
+as "compile: first step"), then the timed steps go round-robin, one step of each
+variant in turn (compute-only ones included), so machine noise hits all alike. A
+step is forward, cross-entropy, backward and ``optimizer.step()`` after a
+barrier, timed on rank 0; the table shows the median.
+
+Compile time is cold: each setup's first step runs under
+``torch._inductor.utils.fresh_cache()`` (empty Inductor/AOTAutograd caches on
+disk and in memory), so no setup reuses kernels compiled for another or cached by
+an earlier run; both ranks compile at once on the 2 cores (a cold compile is
+mostly C++ compiler time: 1-2 minutes per setup here). ``--warm-cache`` (implied
+by ``--quick``) uses Inductor's persistent caches instead, as the compute-only
+copies always do.
+
+"Graphs compiled" counts calls of the compiler backend (the ``inductor``
+backend wrapped by a counter): graphs Dynamo handed to Inductor during the
+first step, each compiled into a forward and a backward. "Compiled-graph
+calls/step" counts calls of those compiled graphs in the last timed step (FSDP2
+runs its per-layer graph once per layer); "recompiles" are backend calls during
+the timed steps.
 """
 
 from __future__ import annotations
@@ -15,86 +51,287 @@ import os
 import statistics
 import time
 
+# id (for --setups) -> (label, implementation, compiled, fsdp_compile.config changes)
 SETUPS = {
-    "fsdp2 eager": ("fsdp2", None, {}),
-    "fsdp2 + torch.compile": ("fsdp2", "inductor", {}),
-    "ours eager": ("ours", None, {}),
-    "ours compiled, passes off": ("ours", "inductor", {"bucketing": False, "reorder": False}),
-    "ours compiled": ("ours", "inductor", {}),
+    "fsdp2-eager": ("fsdp2 eager", "fsdp2", False, {}),
+    "fsdp2-compiled": ("fsdp2 + torch.compile", "fsdp2", True, {}),
+    "ours-eager": ("ours eager", "ours", False, {}),
+    "ours-compiled-nopasses": ("ours compiled, passes off", "ours", True, {"bucketing": False, "reorder": False}),
+    "ours-compiled": ("ours compiled", "ours", True, {}),
 }
 
+#: Default size: 8 layers, dim 512, vocab 16384 (33.6M parameters), seq 256, batch 2/rank.
+FULL = {"layers": 8, "dim": 512, "vocab": 16384, "seq": 256, "batch": 2, "steps": 8}
+#: ``--quick``: 2 layers, dim 64, vocab 512 (0.13M parameters), seq 64, 3 steps.
+QUICK = {"layers": 2, "dim": 64, "vocab": 512, "seq": 64, "batch": 2, "steps": 3}
 
-def run(layers: int, dim: int, seq: int, batch: int, steps: int) -> dict:
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model/step flags shared with ``benchmarks.shaped_link`` (unset ones come from FULL or QUICK)."""
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    for flag in FULL:
+        p.add_argument(f"--{flag}", type=int, default=None, help=f"default {FULL[flag]} ({QUICK[flag]} with --quick)")
+    p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
+    p.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="compile with Inductor's persistent caches (default: cold, except with --quick)",
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    return p
+
+
+def resolve(args) -> argparse.Namespace:
+    """``args`` (a Namespace, a list of CLI strings or None) with every size filled in."""
+    if args is None or isinstance(args, (list, tuple)):
+        args = parser().parse_args(list(args or []))
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    names = [n.strip() for n in args.setups.split(",") if n.strip()] if isinstance(args.setups, str) else list(args.setups)
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown:
+        raise SystemExit(f"unknown setup(s) {unknown}; choose from {list(SETUPS)}")
+    args.setups = names
+    args.warm_cache = args.warm_cache or args.quick
+    return args
+
+
+def model_kwargs(args) -> dict:
+    """``LlamaConfig`` arguments for ``args``."""
+    return dict(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(2, args.dim // 64),
+        ffn_dim=args.dim * 8 // 3,
+        max_seq_len=args.seq,
+    )
+
+
+def describe(args, n_params: int) -> str:
+    return (
+        f"Llama-style, {n_params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, "
+        f"vocab {args.vocab}), seq {args.seq}, batch {args.batch}/rank, fp32, AdamW, "
+        f"setups interleaved step by step, {args.steps} timed steps each"
+    )
+
+
+def counting_inductor(stats: dict):
+    """The ``inductor`` backend, counting compiles (``stats["graphs"]``) and calls of
+    the compiled graphs (``stats["calls"]``)."""
+    from torch._dynamo import lookup_backend
+
+    inductor = lookup_backend("inductor")
+
+    def backend(gm, example_inputs):
+        stats["graphs"] += 1
+        compiled = inductor(gm, example_inputs)
+
+        def call(*args):
+            stats["calls"] += 1
+            return compiled(*args)
+
+        return call
+
+    return backend
+
+
+def gloo_collectives(prof) -> list[tuple[str, int, str]]:
+    """The collectives gloo ran inside a ``torch.profiler`` region, in issue order:
+    ``(op, numel of the input, dtype)`` from its ``gloo:<op>`` events (what the
+    backend actually sent: FSDP2's and our eager and compiled collectives all end
+    there; gloo implements a reduce-scatter as an all-reduce of the full tensor)."""
+    events = sorted((e for e in prof.events() if e.name.startswith("gloo:")), key=lambda e: e.time_range.start)
+    out = []
+    for e in events:
+        shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else [0]
+        numel = 1
+        for size in shape:
+            numel *= size
+        dtype = (e.input_dtypes[0] if getattr(e, "input_dtypes", None) else None) or "float"
+        out.append((e.name.split(":", 1)[1], numel, dtype))
+    return out
+
+
+def measure(
+    model_cfg: dict,
+    seq: int,
+    batch: int,
+    steps: int,
+    setups: list[str],
+    *,
+    compute_only: bool = True,
+    cold_compile: bool = True,
+    record_collectives: bool = False,
+) -> dict:
+    """Runs on every rank of an initialised process group; rank 0's result is used.
+
+    Every setup is sharded over all ranks; with ``compute_only`` a second copy of
+    it is sharded over a 1-rank group of its own on each rank (world size 1,
+    same per-rank batch), and both kinds are timed in the same round-robin."""
+    import contextlib
+    import warnings
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch._inductor.utils import fresh_cache
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     from fsdp_compile import config
     from fsdp_compile import fully_shard as ours_fully_shard
     from fsdp_compile.testing.models import Llama, LlamaConfig
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    cfg = LlamaConfig(vocab_size=4096, dim=dim, n_layers=layers, n_heads=8, ffn_dim=dim * 8 // 3, max_seq_len=seq)
+    # Each setup compiles its own model instance; Dynamo sees another instance of the
+    # same forward code as a recompile of that frame, and fsdp_compile warns about it.
+    warnings.filterwarnings("ignore", message="fsdp_compile: recompiling")
+    torch._dynamo.config.cache_size_limit = 64
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = LlamaConfig(**model_cfg)
+
+    # (setup id, local): local = the compute-only copy on this rank's own 1-rank group.
+    variants = [(name, False) for name in setups]
+    local_mesh = None
+    if compute_only:
+        variants += [(name, True) for name in setups]
+        groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+        local_mesh = DeviceMesh.from_group(groups[rank], "cpu")
     built = {}
-    for name, (kind, backend, changes) in SETUPS.items():
+    for key in variants:
+        name, local = key
+        _, kind, compiled, changes = SETUPS[name]
+        if local:
+            # fsdp_compile's first-run check compares collective sequences over the
+            # default group; on per-rank groups the group names differ by design.
+            changes = dict(changes, check_collective_consistency=False)
         torch.manual_seed(0)
         model = Llama(cfg)
         shard = ours_fully_shard if kind == "ours" else fsdp2_fully_shard
+        mesh = {"mesh": local_mesh} if local else {}
         for layer in model.layers:
-            shard(layer)
-        shard(model)
-        run_fn = model
-        if backend:
-            torch._dynamo.config.cache_size_limit = 64
-            run_fn = torch.compile(model, backend=backend)
-        built[name] = (model, run_fn, torch.optim.AdamW(model.parameters(), lr=1e-4), changes)
+            shard(layer, **mesh)
+        shard(model, **mesh)
+        stats = {"graphs": 0, "calls": 0}
+        run_fn = torch.compile(model, backend=counting_inductor(stats)) if compiled else model
+        built[key] = (run_fn, torch.optim.AdamW(model.parameters(), lr=1e-4), changes, stats)
+    n_params = sum(p.numel() for p in Llama(cfg).parameters())
 
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
 
-    def step(name) -> float:
-        model, run_fn, opt, changes = built[name]
+    def train_step(key) -> None:
+        run_fn, opt, changes, _ = built[key]
         with config.patch(**changes):
-            dist.barrier()
-            start = time.perf_counter()
             logits = run_fn(tokens[:, :-1])
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
 
-    first = {name: step(name) for name in SETUPS}
-    times = {name: [] for name in SETUPS}
+    def timed_step(key) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        train_step(key)
+        return time.perf_counter() - start
+
+    # First steps (compiles): the distributed setups first, each cold if asked;
+    # the compute-only copies with the persistent caches (their compile is not reported).
+    first, graphs = {}, {}
+    for key in variants:
+        cold = cold_compile and SETUPS[key[0]][2] and not key[1]
+        with fresh_cache() if cold else contextlib.nullcontext():
+            first[key] = timed_step(key)
+        graphs[key] = built[key][3]["graphs"]
+    times = {key: [] for key in variants}
+    calls = {}
     for _ in range(steps):
-        for name in SETUPS:
-            times[name].append(step(name))
-    n_params = sum(p.numel() for p in built["ours eager"][0].parameters())
-    return {"first": first, "times": times, "n_params": n_params}
+        for key in variants:
+            before = built[key][3]["calls"]
+            times[key].append(timed_step(key))
+            calls[key] = built[key][3]["calls"] - before
+
+    collectives = {}
+    if record_collectives:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name in setups:
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                train_step((name, False))
+            collectives[name] = gloo_collectives(prof)
+
+    def by_setup(values: dict, local: bool = False) -> dict:
+        return {name: values[(name, local)] for name in setups if (name, local) in values}
+
+    medians = {key: statistics.median(t) for key, t in times.items()}
+    return {
+        "world_size": world,
+        "n_params": n_params,
+        "first": by_setup(first),
+        "times": by_setup(times),
+        "median": by_setup(medians),
+        "compute_only": by_setup(medians, local=True),
+        "graphs": by_setup(graphs),
+        "calls_per_step": by_setup(calls),
+        "recompiles": {name: built[(name, False)][3]["graphs"] - graphs[(name, False)] for name in setups},
+        "collectives": collectives,
+    }
+
+
+def run_on_pool(args, **kwargs) -> dict:
+    """``measure`` on 2 fresh gloo ranks (loopback); rank 0's result."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
+    from fsdp_compile.testing import RankPool
+
+    with RankPool(2, timeout_s=3600, pg_timeout_s=1800) as pool:
+        return pool.run(measure, model_kwargs(args), args.seq, args.batch, args.steps, args.setups, **kwargs)[0]
+
+
+def table(args, res: dict) -> str:
+    tokens = args.batch * args.seq * res["world_size"]
+    lines = [
+        describe(args, res["n_params"])
+        + ". 2 CPU ranks (gloo, loopback, 1 thread each); compute-only: each rank runs the same setup alone "
+        "(world size 1, same per-rank batch), interleaved with the others; exposed communication = step - "
+        "compute-only step. Compile times "
+        + ("with Inductor's persistent caches (warm if an earlier run compiled the same kernels)." if args.warm_cache else "cold (fresh caches per setup)."),
+        "",
+        "| setup | median step (ms) | tokens/s | compile: first step (s) | graphs compiled | compiled-graph calls/step | recompiles | compute-only step, 1 rank (ms) | exposed communication (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in args.setups:
+        step = res["median"][name]
+        local = res["compute_only"][name]
+        label, _, compiled, _ = SETUPS[name]
+        graphs = str(res["graphs"][name]) if compiled else "-"
+        calls = str(res["calls_per_step"][name]) if compiled else "-"
+        recompiles = str(res["recompiles"][name]) if compiled else "-"
+        lines.append(
+            f"| {label} | {step * 1e3:.0f} | {tokens / step:.0f} | {res['first'][name]:.1f} | {graphs} | {calls} "
+            f"| {recompiles} | {local * 1e3:.0f} | {(step - local) * 1e3:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def tables(args=None) -> list[str]:
+    """Run the benchmark; the result tables as markdown strings (one here).
+
+    ``args``: an ``argparse.Namespace`` from :func:`parser`, a list of CLI strings
+    (``["--quick"]``) or ``None`` for the defaults."""
+    args = resolve(args)
+    return [table(args, run_on_pool(args, cold_compile=not args.warm_cache))]
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
-    args = p.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from fsdp_compile.testing import RankPool
-
-    with RankPool(2, timeout_s=3000) as pool:
-        result = pool.run(run, args.layers, args.dim, args.seq, args.batch, args.steps)[0]
-    tokens = args.batch * args.seq * 2
-    print(
-        f"\nLlama-style, {result['n_params'] / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}), "
-        f"seq {args.seq}, batch {args.batch}/rank, 2 CPU ranks (gloo, loopback), {args.steps} timed steps each\n"
-    )
-    print("| setup | median step (ms) | tokens/s | first step incl. compile (s) |")
-    print("|---|---|---|---|")
-    for name in SETUPS:
-        median = statistics.median(result["times"][name])
-        print(f"| {name} | {median * 1e3:.0f} | {tokens / median:.0f} | {result['first'][name]:.1f} |")
+    args = resolve(parser().parse_args(argv))
+    for text in tables(args):
+        print("\n" + text + "\n")
 
 
 if __name__ == "__main__":
