@@ -8,9 +8,7 @@ gone. This pass turns the schedule the reordering pass chose into
 dependencies, with Inductor's ``control_deps``:
 
 * the first compute node after a collective's issue runs after the issue;
-* the wait runs after the last compute node, and the last collective
-  issue, before it (a prefetch issued just before another unit's wait
-  stays before it);
+* the wait runs after the last compute node before it;
 * reduce-scatter ``k + depth`` is issued after reduce-scatter ``k``'s wait
   (the in-flight bound);
 * every collective in the graph (ours or not) is issued after the one
@@ -62,16 +60,12 @@ def schedule_constraints(
         if dep not in deps[dependent]:
             deps[dependent].append(dep)
 
-    issue_positions = [i for i, n in enumerate(nodes) if is_collective_issue(n)]
     for c in our_collectives(graph):
         lo, hi = position[c.issue], position[c.wait]
         between = [i for i in compute_positions if lo < i < hi]
         if between:
             add(nodes[between[0]], c.issue)
             add(c.wait, nodes[between[-1]])
-        last_issue = max((i for i in issue_positions if i < hi), default=None)
-        if last_issue is not None and nodes[last_issue] is not c.issue:
-            add(c.wait, nodes[last_issue])
     reduce_scatters = our_collectives(graph, "reduce_scatter")
     for k in range(len(reduce_scatters) - reduce_scatter_depth):
         add(reduce_scatters[k + reduce_scatter_depth].issue, reduce_scatters[k].wait)

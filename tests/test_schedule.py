@@ -106,12 +106,15 @@ def test_auto_bucketing_keeps_ideal_volume(pool2):
 
 def test_prefetch_hints(pool2):
     """set_modules_to_forward_prefetch / _backward_prefetch with the default prefetch off
-    (prefetch_depth=0): exactly the hinted all-gathers are issued before the hinting
-    unit's wait."""
+    (prefetch_depth=0): the hinted all-gathers are issued before the hinting unit's
+    compute and overlap it; an unhinted one is not prefetched."""
     hints = {"forward": {0: [1, 2]}, "backward": {3: [2, 1]}}
     s = _schedule(pool2, prefetch=hints, prefetch_depth=0)[0]
     l0, l1, l2, l3 = _of(s["forward"], "all_gather")
     assert l1.issue_line < l0.wait_line and l2.issue_line < l0.wait_line
     assert l3.issue_line > l2.wait_line  # not hinted: gathered when needed
     b3, b2, b1 = _of(s["backward"], "all_gather")  # layer 0's weight is not needed
-    assert b2.issue_line < b3.wait_line and b1.issue_line < b3.wait_line
+    # Issued while layer 3's backward runs: layer 3's compute is in flight with both.
+    assert b3.wait_line < b2.wait_line and b3.wait_line < b1.wait_line
+    assert b2.compute_between and set(b2.compute_between) <= set(b1.compute_between)
+    assert len(b1.compute_between) > len(b2.compute_between)
