@@ -57,6 +57,28 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     return gm
 
 
+def schedule_collectives(graph: fx.Graph, after_each=lambda stage: None) -> None:
+    """Bucketing then reordering, as ``fsdp_compile.config`` says (the part of
+    :func:`fsdp_post_grad_pass` that decides the schedule; ``after_each`` is
+    called with ``"1_bucketing"`` / ``"2_reordering"`` after each pass that ran)."""
+    if config.bucketing:
+        cap = int(config.bucket_cap_mb * 2**20) if config.bucket_mode == "cap" else None
+        if config.bucket_mode == "auto":
+            from fsdp_compile.passes.cost_model import choose_bucket_cap
+
+            cap = choose_bucket_cap(graph, config.hardware_profile)
+        bucket_collectives(graph, cap)
+        after_each("1_bucketing")
+    if config.reorder:
+        reorder_for_overlap(
+            graph,
+            prefetch_depth=config.prefetch_depth,
+            reduce_scatter_depth=config.reduce_scatter_depth,
+            max_inflight_bytes=config.max_inflight_bytes,
+        )
+        after_each("2_reordering")
+
+
 def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     """Our post-grad passes, in order: bucketing, reordering, the cross-rank check,
     pinning the order."""
@@ -66,22 +88,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     config.validate()
     folder = debug.begin_graph(graph_name(graph).split()[0])
     debug.record_graph(folder, "0_input", graph)
-    if config.bucketing:
-        cap = int(config.bucket_cap_mb * 2**20) if config.bucket_mode == "cap" else None
-        if config.bucket_mode == "auto":
-            from fsdp_compile.passes.cost_model import choose_bucket_cap
-
-            cap = choose_bucket_cap(graph, config.hardware_profile)
-        bucket_collectives(graph, cap)
-        debug.record_graph(folder, "1_bucketing", graph)
-    if config.reorder:
-        reorder_for_overlap(
-            graph,
-            prefetch_depth=config.prefetch_depth,
-            reduce_scatter_depth=config.reduce_scatter_depth,
-            max_inflight_bytes=config.max_inflight_bytes,
-        )
-        debug.record_graph(folder, "2_reordering", graph)
+    schedule_collectives(graph, lambda stage: debug.record_graph(folder, stage, graph))
     debug.write_report(folder, graph, config.hardware_profile)
     log.debug("%s: %d collective(s) after our passes", graph_name(graph), len(our_collectives(graph)))
     check = insert_consistency_check(graph) if config.check_collective_consistency else None

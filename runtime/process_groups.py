@@ -115,7 +115,3 @@ class DataParallelMesh:
         if self.replicate_group_name is not None:
             names.append(self.replicate_group_name)
         return tuple(names)
-
-    @property
-    def world_size(self) -> int:
-        return self.mesh.size()
