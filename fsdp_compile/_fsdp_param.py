@@ -80,10 +80,16 @@ class FSDPParam:
 
     def hold_unsharded(self) -> None:
         if self.held is None:
-            if self.layout is None:
-                self.held = self.unit.offload.to_compute(self.sharded_param.to_local().detach())
-            else:
-                self.held = self.regather()
+            self.held = self.full_without_autograd()
+
+    def full_without_autograd(self) -> torch.Tensor:
+        """The full tensor on the compute device, in the policy's ``param_dtype``,
+        outside autograd (gathered unless the parameter is replicated)."""
+        if self.layout is not None:
+            return self.regather()
+        full = self.unit.offload.to_compute(self.sharded_param.to_local().detach())
+        param_dtype = self.unit.mp_policy.param_dtype
+        return full if param_dtype is None else full.to(param_dtype)
 
     def release_unsharded(self) -> None:
         self.held = None
@@ -171,14 +177,8 @@ class FSDPParam:
         gather runs outside selective checkpointing's recompute mode, which only
         accepts the ops its region ran in forward."""
         with outside_dispatch_modes():
-            if self.layout is None:
-                full = self.unit.offload.to_compute(self.sharded_param.to_local().detach())
-            else:
-                full = self.regather()
-            policy_dtype = self.unit.mp_policy.param_dtype
-            if policy_dtype is not None and full.dtype != policy_dtype:
-                full = full.to(policy_dtype)
-            return full.detach().requires_grad_(self.sharded_param.requires_grad)
+            full = self.full_without_autograd()
+        return full.detach().requires_grad_(self.sharded_param.requires_grad)
 
     def regather_slot(self) -> RegatherSlot:
         """The slot shared by all saved views of this parameter in the current forward."""
