@@ -9,7 +9,7 @@ Copies (one pass over the bytes each way, as FSDP2's copy-in/copy-out):
 * all-gather: copy-in (``fsdp_compile::all_gather_copy_in``, an opaque op so
   Inductor cannot fuse it into unrelated compute and delay the collective)
   writes the members' local shards, zero-padded, into one flat buffer
-  (``local bytes``; the runtime's per-parameter padding ``cat`` is folded in); copy-out takes each member's column block of the
+  (``local bytes``; the runtime's per-parameter padding ``pad_dim0`` is folded in); copy-out takes each member's column block of the
   ``[world_size, total]`` result into its own contiguous tensor (``gathered
   bytes``), since each member's rows are spread over every rank's block.
 * reduce-scatter: copy-in lays each member's (zero-padded) gradient, viewed as
@@ -56,6 +56,7 @@ log = logging.getLogger("fsdp_compile.passes.bucketing")
 
 ALL_GATHER_COPY_IN = torch.ops.fsdp_compile.all_gather_copy_in.default
 REDUCE_SCATTER_COPY_IN = torch.ops.fsdp_compile.reduce_scatter_copy_in.default
+PAD_DIM0 = torch.ops.fsdp_compile.pad_dim0.default
 
 
 @dataclass
@@ -100,14 +101,11 @@ def plan_buckets(collectives: list[Collective], cap_bytes: int | None = None) ->
 
 
 def _unpadded_source(c: Collective) -> fx.Node:
-    """The collective's input before the runtime's zero padding, when the input is
-    ``cat([x, zeros])`` traced by our runtime (the copy-in then pads in the same pass)."""
+    """The collective's input before the runtime's zero padding (``pad_dim0``); the
+    copy-in then pads in the same pass."""
     node = c.input
-    if node.op == "call_function" and node.target is aten.cat.default and tag_of(node) is not None:
-        pieces = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else 0
-        if dim == 0 and len(pieces) == 2 and pieces[1].target in (aten.full.default, aten.zeros.default, aten.new_zeros.default):
-            return pieces[0]
+    if node.op == "call_function" and node.target is PAD_DIM0:
+        return node.args[0]
     return node
 
 

@@ -1,4 +1,13 @@
-"""Copy-in ops for bucketed collectives, as opaque custom ops.
+"""Copy ops around our collectives, as opaque custom ops: the dim-0 padding of an
+uneven shard, and the copy-ins of bucketed collectives.
+
+Why the padding is an op of its own: a rank whose shard has zero rows pads
+an empty tensor, and Inductor simplifies ``cat([empty, zeros])`` to the
+constant ``zeros``; two such parameters then feed identical constant inputs
+to two all-gathers, and common-subexpression elimination merged those
+collectives into one on that rank only (a different collective sequence on
+each rank: a hang). ``pad_dim0`` always takes the shard itself as input, so
+every padded collective input stays distinct.
 
 Why custom ops rather than ``aten.cat``: Inductor freely fuses a pointwise
 ``cat`` into whatever kernel it likes, and on CPU it fused a bucket's copy-in
@@ -14,6 +23,20 @@ traced per-parameter padding ``cat`` is folded in; see
 from __future__ import annotations
 
 import torch
+
+
+@torch.library.custom_op("fsdp_compile::pad_dim0", mutates_args=())
+def pad_dim0(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` rows (``t`` may have none)."""
+    out = t.new_empty((rows, *t.shape[1:]))
+    out[: t.shape[0]].copy_(t)
+    out[t.shape[0] :].zero_()
+    return out
+
+
+@pad_dim0.register_fake
+def _(t, rows):
+    return t.new_empty((rows, *t.shape[1:]))
 
 
 @torch.library.custom_op("fsdp_compile::all_gather_copy_in", mutates_args=())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_compile._compat import c10d_functional, fx_annotate
+from fsdp_compile.runtime.bucket_copies import pad_dim0
 
 #: Key under ``node.meta["custom"]`` holding a :func:`collective_annotation` entry.
 ANNOTATION_KEY = "fsdp_compile"
@@ -116,10 +117,9 @@ class ShardLayout:
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` rows (no copy when none are needed)."""
-    missing = rows - t.shape[0]
-    if missing == 0:
+    if rows == t.shape[0]:
         return t.contiguous()
-    return torch.cat([t, t.new_zeros((missing, *t.shape[1:]))])
+    return pad_dim0(t, rows)
 
 
 def _remember_gradient_mode(ctx, meta, local, pending, accumulator) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fsdp_compile.passes.bucketing import PAD_DIM0
 from fsdp_compile.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, emit
 from fsdp_compile.runtime import ShardLayout, collective_annotation
 
@@ -47,14 +48,7 @@ def build_unit_graph(
         tag = collective_annotation("unshard", f"{unit}.{name}", unit, True, hints.get(unit))
         padded = shard
         if layout.local_rows != layout.rows_per_rank:
-            zeros = emit(
-                graph,
-                aten.full.default,
-                ([layout.rows_per_rank - layout.local_rows, *layout.full_shape[1:]], 0.0),
-                {"dtype": shard.meta["val"].dtype},
-                tag=tag,
-            )
-            padded = emit(graph, aten.cat.default, ([shard, zeros],), tag=tag)
+            padded = emit(graph, PAD_DIM0, (shard, layout.rows_per_rank), tag=tag)
         gathered = emit(graph, ALL_GATHER, (padded, world_size, group_name), tag=tag)
         waited = emit(graph, WAIT, (gathered,), tag=tag)
         if layout.rows_per_rank * world_size != layout.dim0:
@@ -65,14 +59,7 @@ def build_unit_graph(
         tag = collective_annotation("reduce_grad", f"{unit}.{name}", unit, True)
         full_rows = layout.rows_per_rank * world_size
         if full_rows != layout.dim0:
-            zeros = emit(
-                graph,
-                aten.full.default,
-                ([full_rows - layout.dim0, *layout.full_shape[1:]], 0.0),
-                {"dtype": grad.meta["val"].dtype},
-                tag=tag,
-            )
-            grad = emit(graph, aten.cat.default, ([grad, zeros],), tag=tag)
+            grad = emit(graph, PAD_DIM0, (grad, full_rows), tag=tag)
         issued = emit(graph, REDUCE_SCATTER, (grad, "avg", world_size, group_name), tag=tag)
         waited = emit(graph, WAIT, (issued,), tag=tag)
         if layout.local_rows != layout.rows_per_rank:

@@ -132,10 +132,10 @@ def test_bucketing_one_collective_per_unit_and_kind(rank):
 
 
 def test_padding_is_folded_into_the_copy_in():
-    """Rank 1's uneven shards are padded by the runtime (cat with zeros); after bucketing
+    """Rank 1's uneven shards are padded by the runtime (``pad_dim0``); after bucketing
     the copy-in pads in its single pass and the padding nodes are gone."""
     gm, _ = build_unit_graph(2, 1, "0", N_UNITS)
-    cats = lambda: [n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default]  # noqa: E731
+    cats = lambda: [n for n in gm.graph.nodes if n.target is torch.ops.fsdp_compile.pad_dim0.default]  # noqa: E731
     assert cats()
     bucket_collectives(gm.graph)
     assert cats() == []

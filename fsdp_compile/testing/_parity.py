@@ -28,30 +28,39 @@ class ParityReport:
 
     max_param_gap: dict[str, float] = field(default_factory=dict)
     max_loss_gap: dict[str, float] = field(default_factory=dict)
+    #: Graphs each compiled variant compiled over all steps (recompiles included);
+    #: ``"unsharded"``: the unsharded model under the same ``torch.compile`` call.
+    graphs: dict[str, int] = field(default_factory=dict)
 
 
 def _default_optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant: str, steps: int) -> dict:
+def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant: str, steps: int, compile_kwargs: dict) -> dict:
+    """Train one variant; ``"unsharded:<backend>"`` only counts the unsharded model's graphs
+    on the local batch slices (no parity: its batch is not the global one)."""
     import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
 
     from fsdp_compile.testing._tensors import full_parameters, global_mean
 
+    torch._dynamo.reset()  # no graph reused from another variant's model
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = model_fn()
-    sharded = variant != "reference"
+    sharded = variant not in ("reference",)
     if variant == "fsdp2":
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         shard_fn(model, torch_fully_shard)
-    elif sharded:
+    elif variant.startswith("ours"):
         from fsdp_compile import fully_shard
 
         shard_fn(model, fully_shard)
-    backend = variant.split(":", 1)[1] if variant.startswith("ours:") else None
-    run = model if backend in (None, "eager") else torch.compile(model, backend=backend)
+    backend = variant.split(":", 1)[1] if ":" in variant else None
+    compiled = variant.startswith("unsharded") or backend not in (None, "eager")
+    counter = CompileCounterWithBackend(backend) if compiled else None
+    run = model if counter is None else torch.compile(model, backend=counter, **compile_kwargs)
     opt = optimizer_fn(model.parameters())
     losses, params = [], []
     for step in range(steps):
@@ -62,13 +71,15 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if variant.startswith("unsharded"):
+            continue
         losses.append(global_mean(loss) if sharded else loss.item())
         params.append(full_parameters(model))
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "graphs": None if counter is None else counter.frame_count}
 
 
-def _train_all(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps) -> dict:
-    return {v: _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, v, steps) for v in variants}
+def _train_all(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps, compile_kwargs) -> dict:
+    return {v: _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, v, steps, compile_kwargs) for v in variants}
 
 
 def _shard_root_only(model, fully_shard) -> None:
@@ -88,6 +99,8 @@ def assert_parity(
     reference: str = "single_process",
     rtol: float = 1e-5,
     atol: float = 1e-6,
+    compile_kwargs: dict | None = None,
+    check_graph_count: bool = False,
     pool=None,
 ) -> ParityReport:
     """Train ``fsdp_compile`` variants (one per backend) and compare them with ``reference``.
@@ -100,6 +113,12 @@ def assert_parity(
             (ours, or torch's for ``reference="fsdp2"``) to the model's units.
         reference: ``"single_process"`` (the unsharded model on the global batch)
             or ``"fsdp2"`` (torch's FSDP2 with the same ``shard_fn``).
+        compile_kwargs: extra ``torch.compile`` arguments (e.g. ``fullgraph=True``) for
+            every compiled variant.
+        check_graph_count: also compile the unsharded model with the same call and
+            fail if a compiled variant of ours compiles more graphs than it (graph
+            breaks are Dynamo's, so the unsharded model is compiled with the
+            ``eager`` backend: same graphs, no code generation).
         pool: a running :class:`RankPool` to reuse; by default one is started and closed.
 
     Raises:
@@ -112,17 +131,28 @@ def assert_parity(
         raise ValueError(f"reference={reference!r}: expected 'single_process' or 'fsdp2'")
     reference_variant = "reference" if reference == "single_process" else "fsdp2"
     variants = [reference_variant, *(f"ours:{b}" for b in backends)]
+    if check_graph_count:
+        variants.append("unsharded:eager")
     own_pool = pool is None
     pool = pool or RankPool(world_size)
     try:
-        results = pool.run(_train_all, model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps)[0]
+        results = pool.run(_train_all, model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps, compile_kwargs or {})[0]
     finally:
         if own_pool:
             pool.close()
     expected = results[reference_variant]
     report = ParityReport()
+    report.graphs = {v.split(":")[0] if v.startswith("unsharded") else v: r["graphs"] for v, r in results.items() if r["graphs"] is not None}
     for variant in variants[1:]:
         got = results[variant]
+        if variant.startswith("unsharded"):
+            continue
+        if check_graph_count and report.graphs.get(variant, 0) > report.graphs["unsharded"]:
+            raise ParityError(
+                f"{variant}: compiled {report.graphs[variant]} graphs over {steps} steps, the unsharded model "
+                f"{report.graphs['unsharded']}: sharding added graph breaks or recompiles "
+                "(TORCH_LOGS=graph_breaks,recompiles shows where)"
+            )
         report.max_loss_gap[variant] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
         report.max_param_gap[variant] = 0.0
         for step in range(steps):
