@@ -4,6 +4,11 @@ Per step: one all-gather per unit in forward, one per resharded unit whose
 weight the backward needs, one reduce-scatter per unit; every parameter
 gathered once per pass and reduced once; and every collective but the first
 all-gather and the last reduce-scatter has compute between its issue and wait.
+
+Inductor may move collectives by itself (torch 2.15's ``simple_overlap``, on by
+default; see ``_compat.inductor_comm_overlap_flags``): the overlap is shown to be our
+passes' doing with Inductor's own overlap off, and what Inductor does alone is
+tested on its own.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ N_LAYERS = 4
 _cache: dict = {}
 
 
-def _schedule(pool2, prefetch=None, **config_changes):
-    key = (tuple(sorted(config_changes.items())), repr(prefetch))
+def _schedule(pool2, prefetch=None, inductor_overlap=True, **config_changes):
+    """``inductor_overlap=False``: with Inductor's own compute/communication overlap off."""
+    key = (tuple(sorted(config_changes.items())), repr(prefetch), inductor_overlap)
     if key not in _cache:
-        per_rank = pool2.run(schedule_jobs.compiled_step_code, config_changes, N_LAYERS, prefetch=prefetch)
+        per_rank = pool2.run(
+            schedule_jobs.compiled_step_code, config_changes, N_LAYERS, prefetch=prefetch, inductor_overlap=inductor_overlap
+        )
         parsed = []
         for result in per_rank:
             forward_code, backward_code = result["codes"]
@@ -28,6 +36,7 @@ def _schedule(pool2, prefetch=None, **config_changes):
                     "forward": collectives_in_output_code(forward_code),
                     "backward": collectives_in_output_code(backward_code),
                     "layouts": result["layouts"],
+                    "inductor_overlap_flags": result["inductor_overlap_flags"],
                 }
             )
         _cache[key] = parsed
@@ -69,8 +78,7 @@ def test_volume_is_ideal(pool2):
     assert sum(c.output_numel for c in _of(s["backward"], "reduce_scatter")) == shard_elements
 
 
-def test_communication_overlaps_compute(pool2):
-    s = _schedule(pool2)[0]
+def _assert_overlapped_but_first_and_last(s):
     everything = s["forward"] + s["backward"]
     first_all_gather = s["forward"][0]
     last_reduce_scatter = _of(s["backward"], "reduce_scatter")[-1]
@@ -79,13 +87,56 @@ def test_communication_overlaps_compute(pool2):
     assert exposed == [], [(c.kind, c.output_numel) for c in exposed]
 
 
+def test_communication_overlaps_compute(pool2):
+    _assert_overlapped_but_first_and_last(_schedule(pool2)[0])
+
+
+def test_passes_overlap_without_inductors_own_overlap(pool2):
+    """The overlap is our passes' doing: it is all there with Inductor's own
+    reordering of collectives off, over the same collectives."""
+    s = _schedule(pool2, inductor_overlap=False)[0]
+    _assert_overlapped_but_first_and_last(s)
+    default = _schedule(pool2)[0]
+    for graph in ("forward", "backward"):
+        assert _signature(s[graph]) == _signature(default[graph])
+
+
 def test_without_passes_everything_is_exposed(pool2):
-    """The baseline the passes improve on: per-parameter collectives, each waited at once."""
-    s = _schedule(pool2, bucketing=False, reorder=False)[0]
+    """The baseline the passes improve on: per-parameter collectives, each waited at once
+    (with Inductor's own overlap off; what it does alone is the next test)."""
+    s = _schedule(pool2, inductor_overlap=False, bucketing=False, reorder=False)[0]
     n_params = 2 * N_LAYERS
     assert len(_of(s["forward"], "all_gather")) == n_params
     assert len(_of(s["backward"], "reduce_scatter")) == n_params
     assert all(not c.compute_between for c in s["forward"] + s["backward"])
+
+
+def test_what_inductor_does_alone_without_passes(pool2):
+    """Passes off, Inductor's defaults: it keeps the per-parameter collectives and
+    their order, and hides at most what one adjacent swap can."""
+    s = _schedule(pool2, bucketing=False, reorder=False)[0]
+    baseline = _schedule(pool2, inductor_overlap=False, bucketing=False, reorder=False)[0]
+    for graph in ("forward", "backward"):  # no collective added, merged or reordered
+        assert _signature(s[graph]) == _signature(baseline[graph])
+    everything = s["forward"] + s["backward"]
+    assert all(c.wait_line is not None for c in everything)
+    overlapped = [c for c in everything if c.compute_between]
+    exposed = [c for c in everything if not c.compute_between]
+    if not any(s["inductor_overlap_flags"].values()):
+        # torch 2.13: no pass moving collectives is on by default; all are exposed.
+        assert overlapped == []
+    else:
+        # torch 2.15: ``aten_distributed_optimizations.enable_simple_overlap`` (default
+        # True) swaps each collective earlier and each wait later past adjacent kernels
+        # it does not depend on (a collective never passes a collective, a wait never
+        # a wait, and no swap may raise peak memory). Here: the all-gather of layers 1-3's weight is issued one
+        # kernel early (before the previous layer's relu in forward, before
+        # threshold_backward in backward), one weight reduce-scatter is waited one
+        # kernel late; the rest (every bias gather, most reduce-scatters) stay exposed,
+        # where our passes hide a whole layer's compute behind every collective but two.
+        assert overlapped, "simple_overlap is on but hid nothing"
+        assert all(len(c.compute_between) == 1 for c in overlapped), [(c.kind, c.compute_between) for c in overlapped]
+        assert len(exposed) > len(overlapped)
 
 
 def test_bucket_cap_splits_units(pool2):

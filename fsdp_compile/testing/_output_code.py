@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 
 _ISSUE = re.compile(r"^\s*(buf\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\w+)\)")
-_SIZE = re.compile(r"^\s*assert_size_stride\((buf\w+), \(([\d, ]*)\)")
+# A buffer's size, from the assert Inductor writes after the op that made it:
+# ``assert_size_stride(bufN, (sizes), (strides), op)`` in torch 2.13; in 2.15 an
+# extern op's output (collectives included) gets ``assert_tensor_metadata(bufN,
+# (sizes), (strides), dtype, op)`` instead (inputs keep ``assert_size_stride``).
+_SIZE = re.compile(r"^\s*(?:assert_size_stride|assert_tensor_metadata)\((buf\w+), \(([\d, ]*)\)")
 _COMPUTE = re.compile(r"^\s*(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+)\(")
 
 
@@ -54,7 +58,7 @@ def collectives_in_output_code(code: str) -> list[ScheduledCollective]:
 
 def _call_body(code: str) -> list[str]:
     lines = code.splitlines()
-    start = next((i for i, l in enumerate(lines) if re.match(r"^\s*def call\(", l)), None)
+    start = next((i for i, line in enumerate(lines) if re.match(r"^\s*def call\(", line)), None)
     if start is None:
         return []
     indent = len(lines[start]) - len(lines[start].lstrip())
