@@ -114,11 +114,13 @@ def _train(args: argparse.Namespace) -> list[float]:
             first = step == first_step
             note = " (includes compilation)" if first and args.compile_backend != "eager" else ""
             n_tokens = args.batch_size * args.seq_len * world_size
-            typical = sorted(step_times[1:] or step_times)[len(step_times[1:] or step_times) // 2]
-            eta = typical * (first_step + args.steps - step - 1)
+            # The compiling step says nothing about the steps after it: leave it out.
+            timed = step_times[1:] if args.compile_backend != "eager" else step_times
+            remaining = first_step + args.steps - step - 1
+            eta = f"{sorted(timed)[len(timed) // 2] * remaining:6.1f} s" if timed else "   n/a" if remaining else "   0.0 s"
             print(
                 f"step {step:3d}  loss {losses[-1]:.4f}  step time {elapsed * 1000:8.1f} ms  "
-                f"{n_tokens / elapsed:9.0f} tokens/s  ETA {eta:6.1f} s{note}",
+                f"{n_tokens / elapsed:9.0f} tokens/s  ETA {eta}{note}",
                 flush=True,
             )
     if args.save:

@@ -124,6 +124,35 @@ def saved_tensors_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def allow_side_effects(fn: Callable, *args):
+    """torch/_dynamo/utils.py: ``fn(*args)``; when Dynamo traces it inside a higher-order
+    op's region (activation checkpointing), mutations of Python state outside the region
+    are allowed instead of breaking the graph. A plain call otherwise."""
+    from torch._dynamo.utils import _disable_side_effect_safety_checks_for_current_subtracer
+
+    return _disable_side_effect_safety_checks_for_current_subtracer(fn, *args)
+
+
+def never_a_frame_of_its_own(fn: Callable) -> Callable:
+    """torch/_dynamo/eval_frame.py ``skip_code``: Dynamo never compiles ``fn`` as a frame of
+    its own (when eager code calls it, e.g. after a graph break made Dynamo fall back),
+    but still inlines it into the frames it traces, and compiles the frames ``fn`` calls
+    as usual. So our wrappers add no frame, and so no graph, that the unsharded model
+    does not have."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+    return fn
+
+
+def inside_compiled_call() -> bool:
+    """torch/_C/_dynamo/eval_frame: whether eager code runs inside a ``torch.compile``d
+    call (Dynamo fell back to eager around it and compiles the frames it calls)."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    return bool(get_eval_frame_callback())
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -219,4 +248,29 @@ __all__ = [
     "current_compile_attempt",
     "dynamo_graph_break_counts",
     "saved_tensors_hooks_active",
+    "allow_side_effects",
+    "never_a_frame_of_its_own",
+    "inside_compiled_call",
 ]
+
+
+def inductor_comm_overlap_flags() -> dict[str, bool]:
+    """torch/_inductor/config.py: the Inductor flags that make its scheduler move
+    collectives and waits to overlap compute by itself, with their current values
+    (patch them with ``torch._inductor.config.patch``). torch 2.13 has only
+    ``reorder_for_compute_comm_overlap`` (off by default); torch 2.15 adds
+    ``aten_distributed_optimizations.enable_simple_overlap``, on by default
+    (``comms.simple_overlap``: each collective moves earlier past nodes it does not
+    depend on and each wait later past nodes not using it, by adjacent swaps; a
+    collective never passes a collective, a wait never a wait, and no swap may raise
+    the estimated peak memory)."""
+    import torch._inductor.config as inductor_config
+
+    flags = {"reorder_for_compute_comm_overlap": bool(inductor_config.reorder_for_compute_comm_overlap)}
+    distributed = getattr(inductor_config, "aten_distributed_optimizations", None)
+    if distributed is not None and hasattr(distributed, "enable_simple_overlap"):
+        flags["aten_distributed_optimizations.enable_simple_overlap"] = bool(distributed.enable_simple_overlap)
+    return flags
+
+
+__all__ += ["inductor_comm_overlap_flags"]

@@ -205,15 +205,12 @@ class FSDPParam:
         return f"FSDPParam({self.fqn!r}, shape={tuple(self.sharded_param.shape)}, unit={self.unit.fqn!r})"
 
 
-_warned_units: set[str] = set()
-
-
 def warn_graph_break(fsdp_param: FSDPParam) -> None:
     """Once per unit: its parameters are gathered in eager code between compiled graphs."""
-    unit = fsdp_param.unit.fqn or "(root)"
-    if unit in _warned_units:
+    if fsdp_param.unit.warned_eager_gather:
         return
-    _warned_units.add(unit)
+    fsdp_param.unit.warned_eager_gather = True
+    unit = fsdp_param.unit.fqn or "(root)"
     warnings.warn(
         f"fsdp_compile: graph break inside the sharded forward of unit {unit!r}: parameter "
         f"{fsdp_param.fqn!r} is gathered in eager code between compiled graphs, so its collectives "

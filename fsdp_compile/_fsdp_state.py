@@ -41,6 +41,8 @@ class FSDPUnit:
     # (FSDPModule.set_modules_to_forward_prefetch / _backward_prefetch hints).
     forward_prefetched_by: "FSDPUnit | None" = field(default=None, repr=False)
     backward_prefetched_by: "FSDPUnit | None" = field(default=None, repr=False)
+    # Set once a graph break made this unit gather in eager code (warned once per unit).
+    warned_eager_gather: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         from fsdp_compile.runtime.process_groups import DataParallelMesh
@@ -139,9 +141,11 @@ class _ForwardContext:
     def depth(self) -> int:
         return len(self.frames)
 
-    def enter(self) -> None:
+    def enter(self, compiled: bool | None = None) -> None:
+        """Open a sharded forward; ``compiled``: it runs in a compiled step (default:
+        whether Dynamo is tracing it)."""
         self.frames.append([])
-        self.frame_compiled.append(torch.compiler.is_compiling())
+        self.frame_compiled.append(torch.compiler.is_compiling() if compiled is None else compiled)
 
     def exit(self) -> None:
         self.frame_compiled.pop()

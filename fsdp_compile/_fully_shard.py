@@ -20,7 +20,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_compile._compat import flat_group_of, in_backward_recompute, saved_tensors_hooks_active, tree_map
+from fsdp_compile._compat import (
+    allow_side_effects,
+    flat_group_of,
+    inside_compiled_call,
+    never_a_frame_of_its_own,
+    in_backward_recompute,
+    saved_tensors_hooks_active,
+    tree_map,
+)
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, ShardPlacement, compute_device, forward_context
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
@@ -39,31 +47,72 @@ class FSDPModule:
 
     _fsdp_unit: FSDPUnit
 
+    @never_a_frame_of_its_own
     def forward(self, *args, **kwargs):
         policy = self._fsdp_unit.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
-        # Eager resharding via saved-tensor hooks, unless other hooks already manage
-        # saved tensors (activation checkpointing recomputes them anyway).
-        outermost_eager = (
-            not torch.compiler.is_compiling()  # first: Dynamo folds it, and skips the rest
-            and forward_context.depth == 0
-            and torch.is_grad_enabled()
-            and not saved_tensors_hooks_active()
-        )
-        forward_context.enter()
-        try:
-            self._gather_unit()
-            if outermost_eager:
-                with forward_context.eager_reshard_hooks():
-                    output = super().forward(*args, **kwargs)
-            else:
-                output = super().forward(*args, **kwargs)
-        finally:
-            forward_context.exit()
+        if torch.compiler.is_compiling():
+            output = self._forward_compiled(*args, **kwargs)
+        else:
+            output = self._forward_eager(*args, **kwargs)
         if policy.output_dtype is not None:
             output = _cast_floating(output, policy.output_dtype)
         return output
+
+    @never_a_frame_of_its_own
+    def _forward_compiled(self, *args, **kwargs):
+        """The traced forward: straight-line code, no ``try`` or ``with`` around the
+        user's forward, and no collective before it. A graph break inside the user's
+        forward then splits the step where it splits the unsharded model (Dynamo
+        cannot resume inside a ``try`` block; it would skip this frame and compile
+        every call below it as a graph of its own), and the part of this frame
+        before the call holds no op, so it is no graph of its own. Parameters are
+        gathered where they are first read. The context's Python state changes are
+        allowed inside activation-checkpointing regions (they are not replayed by a
+        compiled backward, which never runs Python)."""
+        allow_side_effects(forward_context.enter)
+        output = super().forward(*args, **kwargs)
+        allow_side_effects(forward_context.exit)
+        return output
+
+    @never_a_frame_of_its_own
+    def _forward_eager(self, *args, **kwargs):
+        reshard_hooks = self._pre_forward_eager(inside_compiled_call())
+        try:
+            if reshard_hooks is None:
+                return super().forward(*args, **kwargs)
+            with reshard_hooks:
+                return super().forward(*args, **kwargs)
+        finally:
+            _post_forward_eager()
+
+    @torch.compiler.disable
+    def _pre_forward_eager(self, inside_compiled_call: bool):
+        """Open the forward context and gather the whole unit (FSDP2's pre-forward);
+        returns the saved-tensor hooks that reshard after forward, or ``None``.
+
+        Runs outside Dynamo. Inside a compiled step that fell back to eager here (the
+        user's own graph break), the user's forward is then compiled as a frame of its
+        own, as it is unsharded; gathering inside it would tag each unit's graph with
+        the unit (one recompile per unit), so the unit is gathered here, eagerly, as
+        FSDP2 does, and a warning names it. Dynamo must not meet our eager saved-tensor
+        hooks there."""
+        forward_context.enter(compiled=inside_compiled_call)
+        # Eager resharding via saved-tensor hooks, unless other hooks already manage
+        # saved tensors (activation checkpointing recomputes them anyway).
+        outermost = (
+            not inside_compiled_call
+            and forward_context.depth == 1
+            and torch.is_grad_enabled()
+            and not saved_tensors_hooks_active()
+        )
+        try:
+            self._gather_unit()
+        except BaseException:
+            forward_context.exit()
+            raise
+        return forward_context.eager_reshard_hooks() if outermost else None
 
     def _gather_unit(self) -> None:
         """Gather every parameter of the unit when its forward starts, as FSDP2's
@@ -165,6 +214,11 @@ class FSDPModule:
             raise ValueError(f"set_gradient_divide_factor({factor}): the factor must be positive")
         for unit in units_in(self, recurse=False):
             unit.gradient_divide_factor = float(factor)
+
+
+@torch.compiler.disable
+def _post_forward_eager() -> None:
+    forward_context.exit()
 
 
 class UnshardHandle:
@@ -517,25 +571,43 @@ def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
 
 def _managed_param_property(name: str) -> property:
     def read(self):
-        fsdp_param = self._fsdp_params[name]
-        if fsdp_param.held is not None:
-            return fsdp_param.held  # FSDPModule.unshard() was called
-        if forward_context.depth > 0 and fsdp_param.unsharded is not None:
-            # Gathered when the unit's forward started. Checked before touching the
-            # sharded DTensor, so a checkpointed region (a subgraph under compile)
-            # takes only this plain tensor as input.
-            return fsdp_param.unsharded
-        param = self._parameters[name]
-        if forward_context.depth == 0:
-            if not torch.compiler.is_compiling() and in_backward_recompute():
-                # Eager activation checkpointing inside a unit: backward re-runs the
-                # checkpointed region outside the unit's forward; it needs the values only.
-                return fsdp_param.regather_for_recompute()
-            return param
-        return fsdp_param.unshard(param)
+        if torch.compiler.is_compiling():
+            return _read_managed(self, name)
+        return _read_managed_outside_dynamo(self, name)
 
     read.__name__ = name
+    never_a_frame_of_its_own(read)
     return property(read, doc=f"Sharded parameter {name!r}; the full tensor during a sharded forward.")
+
+
+def _read_managed(module: nn.Module, name: str):
+    """A managed parameter's value: the full tensor inside a sharded forward, else the
+    sharded ``nn.Parameter``."""
+    fsdp_param = module._fsdp_params[name]
+    if fsdp_param.held is not None:
+        return fsdp_param.held  # FSDPModule.unshard() was called
+    if forward_context.depth > 0 and fsdp_param.unsharded is not None:
+        # Gathered already in this forward. Checked before touching the sharded
+        # DTensor, so a checkpointed region (a subgraph under compile) takes only
+        # this plain tensor as input.
+        return fsdp_param.unsharded
+    param = module._parameters[name]
+    if forward_context.depth == 0:
+        if not torch.compiler.is_compiling() and in_backward_recompute():
+            # Eager activation checkpointing inside a unit: backward re-runs the
+            # checkpointed region outside the unit's forward; it needs the values only.
+            return fsdp_param.regather_for_recompute()
+        return param
+    if torch.compiler.is_compiling():
+        # Caching the gathered tensor is a side effect, allowed inside an activation-
+        # checkpointing region (e.g. checkpoint(layer) around a sharded layer).
+        return allow_side_effects(fsdp_param.unshard, param)
+    return fsdp_param.unshard(param)
+
+
+# Eager reads (also from eager code between the graphs of a compiled step that broke)
+# run outside Dynamo: a gather there would otherwise be compiled as a graph of its own.
+_read_managed_outside_dynamo = torch.compiler.disable(_read_managed)
 
 
 def units_in(module: nn.Module, recurse: bool = True) -> list[FSDPUnit]:

@@ -87,9 +87,16 @@ def warnings_from_break_and_recompile() -> list[str]:
     model = BreaksInsideAUnit()
     fully_shard(model.b)
     fully_shard(model)
-    compiled = torch.compile(model, backend="aot_eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 4)).sum().backward()
+        # Recompiles of a graph that holds units (no break of its own). Dynamo skips the
+        # code of a frame it could not resume for the rest of the process, so start afresh.
+        torch._dynamo.reset()
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        fully_shard(model[0])
+        fully_shard(model)
+        compiled = torch.compile(model, backend="aot_eager")
         compiled(torch.randn(2, 4)).sum().backward()
         model.eval()
         with torch.no_grad():
