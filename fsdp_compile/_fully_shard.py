@@ -49,48 +49,48 @@ class FSDPModule:
 
     @never_a_frame_of_its_own
     def forward(self, *args, **kwargs):
-        policy = self._fsdp_unit.mp_policy
-        if policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
-        if torch.compiler.is_compiling():
-            output = self._forward_compiled(*args, **kwargs)
-        else:
-            output = self._forward_eager(*args, **kwargs)
-        if policy.output_dtype is not None:
-            output = _cast_floating(output, policy.output_dtype)
-        return output
+        # The outermost unit called from a compiled call's eager code (the frame
+        # torch.compile was given, or Dynamo gave up on the frame above it) runs the
+        # compiled path, which Dynamo then compiles as a frame of its own.
+        if torch.compiler.is_compiling() or (forward_context.depth == 0 and inside_compiled_call()):
+            return self._forward_compiled(*args, **kwargs)
+        return self._forward_eager(*args, **kwargs)
 
-    @never_a_frame_of_its_own
     def _forward_compiled(self, *args, **kwargs):
         """The traced forward: straight-line code, no ``try`` or ``with`` around the
         user's forward, and no collective before it. A graph break inside the user's
         forward then splits the step where it splits the unsharded model (Dynamo
         cannot resume inside a ``try`` block; it would skip this frame and compile
         every call below it as a graph of its own), and the part of this frame
-        before the call holds no op, so it is no graph of its own. Parameters are
-        gathered where they are first read. The context's Python state changes are
-        allowed inside activation-checkpointing regions (they are not replayed by a
-        compiled backward, which never runs Python)."""
+        before the call holds no op (but the inputs' mixed-precision cast), so it is
+        no graph of its own. Parameters are gathered where they are first read. The
+        context's Python state changes are allowed inside activation-checkpointing
+        regions (they are not replayed by a compiled backward, which never runs Python)."""
+        policy = self._fsdp_unit.mp_policy
+        args, kwargs = _cast_inputs(policy, args, kwargs)
         allow_side_effects(forward_context.enter)
         output = super().forward(*args, **kwargs)
         allow_side_effects(forward_context.exit)
-        return output
+        return _cast_output(policy, output)
 
     @never_a_frame_of_its_own
     def _forward_eager(self, *args, **kwargs):
-        reshard_hooks = self._pre_forward_eager(inside_compiled_call())
+        args, kwargs, reshard_hooks = self._pre_forward_eager(inside_compiled_call(), args, kwargs)
         try:
             if reshard_hooks is None:
-                return super().forward(*args, **kwargs)
-            with reshard_hooks:
-                return super().forward(*args, **kwargs)
+                output = super().forward(*args, **kwargs)
+            else:
+                with reshard_hooks:
+                    output = super().forward(*args, **kwargs)
         finally:
             _post_forward_eager()
+        return _cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
     @torch.compiler.disable
-    def _pre_forward_eager(self, inside_compiled_call: bool):
-        """Open the forward context and gather the whole unit (FSDP2's pre-forward);
-        returns the saved-tensor hooks that reshard after forward, or ``None``.
+    def _pre_forward_eager(self, inside_compiled_call: bool, args, kwargs):
+        """Cast the inputs, open the forward context and gather the whole unit (FSDP2's
+        pre-forward); returns the inputs and the saved-tensor hooks that reshard after
+        forward, or ``None``.
 
         Runs outside Dynamo. Inside a compiled step that fell back to eager here (the
         user's own graph break), the user's forward is then compiled as a frame of its
@@ -98,6 +98,7 @@ class FSDPModule:
         the unit (one recompile per unit), so the unit is gathered here, eagerly, as
         FSDP2 does, and a warning names it. Dynamo must not meet our eager saved-tensor
         hooks there."""
+        args, kwargs = _cast_inputs(self._fsdp_unit.mp_policy, args, kwargs)
         forward_context.enter(compiled=inside_compiled_call)
         # Eager resharding via saved-tensor hooks, unless other hooks already manage
         # saved tensors (activation checkpointing recomputes them anyway).
@@ -112,7 +113,7 @@ class FSDPModule:
         except BaseException:
             forward_context.exit()
             raise
-        return forward_context.eager_reshard_hooks() if outermost else None
+        return args, kwargs, forward_context.eager_reshard_hooks() if outermost else None
 
     def _gather_unit(self) -> None:
         """Gather every parameter of the unit when its forward starts, as FSDP2's
@@ -252,6 +253,19 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 def _cast_floating(tree, dtype: torch.dtype):
     """Floating-point tensors in ``tree`` cast to ``dtype`` (FSDP2's input/output casting)."""
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def _cast_inputs(policy: MixedPrecisionPolicy, args, kwargs):
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        return _cast_floating((args, kwargs), policy.param_dtype)
+    return args, kwargs
+
+
+def _cast_output(policy: MixedPrecisionPolicy, output):
+    return output if policy.output_dtype is None else _cast_floating(output, policy.output_dtype)
+
+
+_cast_output_outside_dynamo = torch.compiler.disable(_cast_output)
 
 
 def fully_shard(
@@ -571,8 +585,8 @@ def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
 
 def _managed_param_property(name: str) -> property:
     def read(self):
-        if torch.compiler.is_compiling():
-            return _read_managed(self, name)
+        if torch.compiler.is_compiling() or not inside_compiled_call():
+            return _read_managed(self, name)  # traced, or plain eager
         return _read_managed_outside_dynamo(self, name)
 
     read.__name__ = name
@@ -605,8 +619,8 @@ def _read_managed(module: nn.Module, name: str):
     return fsdp_param.unshard(param)
 
 
-# Eager reads (also from eager code between the graphs of a compiled step that broke)
-# run outside Dynamo: a gather there would otherwise be compiled as a graph of its own.
+# Reads from eager code between the graphs of a compiled step that broke run outside
+# Dynamo: a gather there would otherwise be compiled as a graph of its own.
 _read_managed_outside_dynamo = torch.compiler.disable(_read_managed)
 
 

@@ -27,9 +27,8 @@ class Block(nn.Module):
 
 class Stack(nn.Module):
     """``kind``: ``"break_in_block"`` (a break inside each sharded block's forward),
-    ``"break_outside_units"`` (a break in the root's forward between blocks; the root is
-    not sharded, so it runs outside every unit), ``"checkpoint_around_blocks"``
-    (``torch.utils.checkpoint.checkpoint(block, ...)`` around each sharded block)."""
+    ``"checkpoint_around_blocks"`` (``torch.utils.checkpoint.checkpoint(block, ...)``
+    around each sharded block), or plain."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -40,14 +39,26 @@ class Stack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
-        for i, block in enumerate(self.blocks):
+        for block in self.blocks:
             if self.kind == "checkpoint_around_blocks":
                 h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
             else:
                 h = block(h)
-            if self.kind == "break_outside_units" and i == 0:
-                torch._dynamo.graph_break()
         return self.head(h)
+
+
+class BreakOutsideUnits(nn.Module):
+    """A sharded model called by compiled code that breaks the graph outside every unit
+    (a parameter-free caller: logging between the model and the loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Stack("plain")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        torch._dynamo.graph_break()
+        return torch.tanh(out)
 
 
 def _build(kind: str) -> Stack:
@@ -59,24 +70,22 @@ def break_in_block() -> Stack:
     return _build("break_in_block")
 
 
-def break_outside_units() -> Stack:
-    return _build("break_outside_units")
+def break_outside_units() -> BreakOutsideUnits:
+    torch.manual_seed(0)
+    return BreakOutsideUnits()
 
 
 def checkpoint_around_blocks() -> Stack:
     return _build("checkpoint_around_blocks")
 
 
-def shard(model: Stack, fully_shard) -> None:
-    """Per block, then the root; with the break outside every unit, the root's own
-    layers are units of their own and the root is left unsharded."""
-    for block in model.blocks:
+def shard(model: nn.Module, fully_shard) -> None:
+    """Per block, then the stack (the caller of :class:`BreakOutsideUnits` holds no
+    parameters and stays unsharded)."""
+    stack = model.model if isinstance(model, BreakOutsideUnits) else model
+    for block in stack.blocks:
         fully_shard(block)
-    if model.kind == "break_outside_units":
-        fully_shard(model.embed)
-        fully_shard(model.head)
-    else:
-        fully_shard(model)
+    fully_shard(stack)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,8 +38,9 @@ def _default_optimizer(params):
 
 
 def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant: str, steps: int, compile_kwargs: dict) -> dict:
-    """Train one variant; ``"unsharded:<backend>"`` only counts the unsharded model's graphs
-    on the local batch slices (no parity: its batch is not the global one)."""
+    """Train one variant; ``"unsharded"`` only counts the unsharded model's graphs (Dynamo's
+    alone: ``eager`` backend) on the local batch slices (no parity: its batch is not the
+    global one)."""
     import torch.distributed as dist
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -48,7 +49,7 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
     torch._dynamo.reset()  # no graph reused from another variant's model
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = model_fn()
-    sharded = variant not in ("reference",)
+    sharded = variant != "reference"
     if variant == "fsdp2":
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -57,8 +58,8 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
         from fsdp_compile import fully_shard
 
         shard_fn(model, fully_shard)
-    backend = variant.split(":", 1)[1] if ":" in variant else None
-    compiled = variant.startswith("unsharded") or backend not in (None, "eager")
+    backend = "eager" if variant == "unsharded" else variant.split(":", 1)[1] if ":" in variant else None
+    compiled = variant == "unsharded" or backend not in (None, "eager")
     counter = CompileCounterWithBackend(backend) if compiled else None
     run = model if counter is None else torch.compile(model, backend=counter, **compile_kwargs)
     opt = optimizer_fn(model.parameters())
@@ -71,7 +72,7 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if variant.startswith("unsharded"):
+        if variant == "unsharded":
             continue
         losses.append(global_mean(loss) if sharded else loss.item())
         params.append(full_parameters(model))
@@ -132,7 +133,7 @@ def assert_parity(
     reference_variant = "reference" if reference == "single_process" else "fsdp2"
     variants = [reference_variant, *(f"ours:{b}" for b in backends)]
     if check_graph_count:
-        variants.append("unsharded:eager")
+        variants.append("unsharded")
     own_pool = pool is None
     pool = pool or RankPool(world_size)
     try:
@@ -142,10 +143,10 @@ def assert_parity(
             pool.close()
     expected = results[reference_variant]
     report = ParityReport()
-    report.graphs = {v.split(":")[0] if v.startswith("unsharded") else v: r["graphs"] for v, r in results.items() if r["graphs"] is not None}
+    report.graphs = {v: r["graphs"] for v, r in results.items() if r["graphs"] is not None}
     for variant in variants[1:]:
         got = results[variant]
-        if variant.startswith("unsharded"):
+        if variant == "unsharded":
             continue
         if check_graph_count and report.graphs.get(variant, 0) > report.graphs["unsharded"]:
             raise ParityError(
