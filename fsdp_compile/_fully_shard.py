@@ -12,6 +12,7 @@ registered sharded ``nn.Parameter(DTensor)``; inside one it returns
 
 from __future__ import annotations
 
+import types
 from typing import Iterable
 
 import torch
@@ -575,12 +576,23 @@ def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
         attrs["_fsdp_orig_class"] = orig
         attrs["__module__"] = orig.__module__
         if is_unit:
+            attrs["_forward_compiled"] = _own_code_copy(FSDPModule._forward_compiled, orig.__name__)
             new_cls = type(f"FSDP{orig.__name__}", (FSDPModule, orig), attrs)
         else:
             # Non-unit owners keep their name so that printing the model looks as before.
             new_cls = type(orig.__name__, (orig,), attrs)
         _CLASS_CACHE[key] = new_cls
     module.__class__ = new_cls
+
+
+def _own_code_copy(fn, suffix: str):
+    """``fn`` with a code object of its own. Dynamo keeps per-code state for the whole
+    process (a frame it gave up on is skipped from then on); a copy per sharded class
+    keeps that state per model class, as it is for the unsharded model's ``forward``."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{suffix}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__doc__, copy.__qualname__ = fn.__doc__, f"{fn.__qualname__}_{suffix}"
+    return copy
 
 
 def _managed_param_property(name: str) -> property:
