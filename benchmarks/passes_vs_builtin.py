@@ -1,6 +1,6 @@
 """Our passes vs Inductor's built-in FX bucketing, on the same captured graphs (modelled).
 
-    python -m benchmarks.passes_vs_builtin [--world-size 8] [--layers 4] [--dim 512]
+    python -m benchmarks.passes_vs_builtin [--quick] [--world-size 8] [--layers 4] [--dim 512] [--seq 256]
 
 Compiles a Llama-style model sharded with ``fully_shard`` (one unit per
 decoder layer) on the ``fake`` process group, captures Inductor's post-grad
@@ -8,10 +8,23 @@ forward and backward graphs before our passes, and applies to copies:
 
 * ``traced``: nothing (one collective per parameter, each waited at once);
 * ``inductor built-in``: ``bucket_all_gather`` + ``bucket_reduce_scatter``
-  (``torch/_inductor/fx_passes/bucketing.py``, default size caps); Inductor's
-  overlap scheduler is left out because it needs a GPU roofline;
+  (``torch/_inductor/fx_passes/bucketing.py``, default size caps);
+* ``inductor overlap scheduling``: Inductor's own bucketing + overlap scheduler
+  (``fx_passes/overlap_scheduling.py``: what
+  ``aten_distributed_optimizations.enable_overlap_scheduling`` with
+  ``collective_bucketing`` runs), fed the per-node estimates of our cost model on
+  the profile being simulated (its own compute estimates are a GPU roofline: 0
+  on CPU); once with its default pre-bucketing of FSDP collectives (buckets sized
+  by its NCCL model) and once without;
+* ``manual_overlap_bucketing``: Inductor's manual bucketing as SimpleFSDP
+  (torchtitan's graph_trainer) uses it: one bucket per decoder layer, plus the
+  embedding and norm + output, each prefetched one bucket ahead;
 * ``ours: bucketing``: one bucket per unit and dtype;
 * ``ours: bucketing + reordering``: plus prefetch and late waits.
+
+The Inductor overlap-scheduling and manual rows need ``triton`` importable (the
+newest torch; see ``benchmarks/_peers.py``); without it they are left out with
+one printed line. ``--quick``: 2 layers, dim 128, seq 64.
 
 Every variant is simulated with our cost model on each hardware profile.
 The numbers are modelled, not measured.
@@ -30,6 +43,7 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
     import torch.fx as fx
     import torch.nn.functional as F
 
+    from benchmarks import _peers
     from fsdp_compile import config, fully_shard
     from fsdp_compile._compat import register_fake_process_group
     from fsdp_compile.passes.cost_model import _copy_graph
@@ -39,6 +53,7 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
     dist.init_process_group("fake", rank=0, world_size=world_size)
     cfg = LlamaConfig(vocab_size=2048, dim=dim, n_layers=layers, n_heads=8, ffn_dim=dim * 8 // 3, max_seq_len=seq)
     model = Llama(cfg)
+    plans = _peers.transformer_block_plans(model)  # SimpleFSDP's buckets: one per decoder layer
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -56,10 +71,12 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     finally:
         inductor_config.post_grad_custom_post_pass = previous
-    return captured
+    return captured, plans
 
 
-def _variants(gm):
+def _variants(gm, profile: str, plans, peers: bool):
+    """The variants of one captured graph for one hardware profile (Inductor's
+    overlap scheduler is given that profile's estimates)."""
     import copy
 
     import torch.fx as fx
@@ -77,6 +94,17 @@ def _variants(gm):
 
     bucket_all_gather(builtin)
     bucket_reduce_scatter(builtin)
+    peer_variants = {}
+    if peers:
+        from benchmarks import _peers
+
+        peer_variants = {
+            "inductor overlap scheduling + bucketing": _peers.overlap_schedule(fresh(), profile),
+            "inductor overlap scheduling + bucketing, no pre-bucketing": _peers.overlap_schedule(
+                fresh(), profile, pre_bucketing=False
+            ),
+            "inductor manual_overlap_bucketing (SimpleFSDP)": _peers.manual_bucketing(fresh(), plans),
+        }
     ours_bucketed = fresh()
     bucket_collectives(ours_bucketed.graph)
     ours = copy.copy(fresh())
@@ -85,6 +113,7 @@ def _variants(gm):
     return {
         "traced": traced,
         "inductor built-in bucketing": builtin,
+        **peer_variants,
         "ours: bucketing": ours_bucketed,
         "ours: bucketing + reordering": ours,
     }
@@ -92,26 +121,41 @@ def _variants(gm):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small model (2 layers, dim 128, seq 64) unless set below")
     p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--layers", type=int, default=None, help="default 4 (2 with --quick)")
+    p.add_argument("--dim", type=int, default=None, help="default 512 (128 with --quick)")
+    p.add_argument("--seq", type=int, default=None, help="default 256 (64 with --quick)")
     args = p.parse_args(argv)
+    for key, full, quick in (("layers", 4, 2), ("dim", 512, 128), ("seq", 256, 64)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+    from benchmarks import _peers
     from fsdp_compile.passes.cost_model import PROFILES, collective_kind, simulate
 
-    graphs = _capture_graphs(args.world_size, args.layers, args.dim, args.seq)
+    skipped = _peers.skip_line("the Inductor overlap scheduling and manual_overlap_bucketing rows")
+    graphs, plans = _capture_graphs(args.world_size, args.layers, args.dim, args.seq)
     print(
         f"\nLlama-style, {args.layers} layers, dim {args.dim}, seq {args.seq}, batch 2, world size "
-        f"{args.world_size} (fake process group). Modelled with fsdp_compile's cost model, not measured.\n"
+        f"{args.world_size} (fake process group). Modelled with fsdp_compile's cost model, not measured."
+        + (
+            ""
+            if skipped
+            else " Inductor's overlap scheduler is given the cost model's estimates for each profile;"
+            " manual_overlap_bucketing's plan: " + ", ".join(map(str, plans)) + "."
+        )
+        + "\n"
     )
+    if skipped:
+        print(skipped + "\n")
     for profile in PROFILES:
         print(f"### {profile}\n")
         print("| graph | variant | collectives | step (ms) | communication (ms) | exposed (ms) | overlap | peak (MiB) |")
         print("|---|---|---|---|---|---|---|---|")
         for name, gm in zip(("forward", "backward"), graphs):
-            for variant, g in _variants(gm).items():
+            for variant, g in _variants(gm, profile, plans, peers=not skipped).items():
                 sim = simulate(g.graph, profile)
                 n_coll = sum(1 for n in g.graph.nodes if collective_kind(n) in ("all_gather", "reduce_scatter"))
                 print(

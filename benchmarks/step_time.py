@@ -4,13 +4,37 @@ against a compute-only run of the same setups on one rank.
     python -m benchmarks.step_time [--quick] [--layers 8] [--dim 512] [--vocab 16384]
                                    [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
                                    [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
-                                             ours-compiled-nopasses,ours-compiled]
+                                             ours-compiled-nopasses,ours-compiled,
+                                             ours-compiled-noreshard,simplefsdp-manual,
+                                             simplefsdp-manual-noreshard,simplefsdp-auto]
 
 A Llama-style model (tied embeddings), one unit per decoder layer plus the root,
 AdamW, fp32. Five setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
 ours compiled with our passes off (``config.patch(bucketing=False, reorder=False)``)
-and ours compiled. Default model: 33.6M parameters; ``--quick`` uses a 0.1M-parameter
-model and 3 steps (a smoke run: 1-2 minutes with warm compile caches).
+and ours compiled; each reshards the decoder layers after forward (FSDP2's default:
+``reshard_after_forward=True`` for the layers, the root keeps its parameters).
+Default model: 33.6M parameters; ``--quick`` uses a 0.1M-parameter model and 3
+steps (a smoke run: 1-2 minutes with warm compile caches).
+
+Peers, on the newest torch (they need ``triton`` importable; without it they are
+left out with one printed line; see ``benchmarks/_peers.py``):
+
+- **SimpleFSDP + manual bucketing** (torchtitan's graph_trainer): every parameter a
+  ``Shard(0)`` DTensor all-gathered in the graph by DTensor's ``redistribute`` when
+  read (its gradient reduce-scattered by the backward), compiled with Inductor's
+  ``manual_overlap_bucketing`` as the post-grad pass, one bucket per decoder layer
+  (plus the embedding, and norm + output), with ordering dependencies; the decoder
+  layers' gathers are recomputed in the backward (selective checkpointing), as
+  ours and FSDP2 reshard them;
+- the same with ``reshard_after_forward=False`` (gathered parameters saved for the
+  backward), and **ours compiled** with ``reshard_after_forward=False``;
+- **SimpleFSDP + Inductor auto bucketing**: Inductor's own overlap scheduling with
+  collective bucketing (``aten_distributed_optimizations.enable_overlap_scheduling``
+  and ``collective_bucketing``, analytical estimates: its compute estimates are a
+  GPU roofline, 0 on CPU).
+
+Each peer's Inductor options are set with ``torch._inductor.config.patch`` around
+its own steps only, so the other setups compile with the defaults.
 
 One process group of 2 ranks (gloo over loopback, started by ``RankPool``, 1
 thread per rank), ``--batch`` sequences per rank. Each setup is built twice:
@@ -58,6 +82,20 @@ SETUPS = {
     "ours-eager": ("ours eager", "ours", False, {}),
     "ours-compiled-nopasses": ("ours compiled, passes off", "ours", True, {"bucketing": False, "reorder": False}),
     "ours-compiled": ("ours compiled", "ours", True, {}),
+    "ours-compiled-noreshard": ("ours compiled, no reshard", "ours", True, {}),
+    "simplefsdp-manual": ("SimpleFSDP + manual bucketing", "simplefsdp", True, {}),
+    "simplefsdp-manual-noreshard": ("SimpleFSDP + manual bucketing, no reshard", "simplefsdp", True, {}),
+    "simplefsdp-auto": ("SimpleFSDP + Inductor auto bucketing", "simplefsdp", True, {}),
+}
+#: The setups ``benchmarks.shaped_link`` runs by default (step_time runs them all).
+BASE_SETUPS = ["fsdp2-eager", "fsdp2-compiled", "ours-eager", "ours-compiled-nopasses", "ours-compiled"]
+#: Setups compared with the peers, run only where the peers can run (``benchmarks/_peers.py``):
+#: id -> (reshard the decoder layers after forward, the peer's Inductor pass or None).
+PEER_SETUPS = {
+    "ours-compiled-noreshard": (False, None),
+    "simplefsdp-manual": (True, "manual"),
+    "simplefsdp-manual-noreshard": (False, "manual"),
+    "simplefsdp-auto": (True, "auto"),
 }
 
 #: Default size: 8 layers, dim 512, vocab 16384 (33.6M parameters), seq 256, batch 2/rank.
@@ -66,12 +104,14 @@ FULL = {"layers": 8, "dim": 512, "vocab": 16384, "seq": 256, "batch": 2, "steps"
 QUICK = {"layers": 2, "dim": 64, "vocab": 512, "seq": 64, "batch": 2, "steps": 3}
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Model/step flags shared with ``benchmarks.shaped_link`` (unset ones come from FULL or QUICK)."""
+def add_model_args(p: argparse.ArgumentParser, setups: list[str] | None = None) -> None:
+    """Model/step flags shared with ``benchmarks.shaped_link`` (unset ones come from FULL or QUICK);
+    ``setups``: the default of ``--setups`` (``BASE_SETUPS`` if None)."""
+    setups = BASE_SETUPS if setups is None else setups
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     for flag in FULL:
         p.add_argument(f"--{flag}", type=int, default=None, help=f"default {FULL[flag]} ({QUICK[flag]} with --quick)")
-    p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
+    p.add_argument("--setups", default=",".join(setups), help="comma-separated subset of: " + ", ".join(SETUPS))
     p.add_argument(
         "--warm-cache",
         action="store_true",
@@ -81,7 +121,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    add_model_args(p, list(SETUPS))
     return p
 
 
@@ -97,6 +137,15 @@ def resolve(args) -> argparse.Namespace:
     unknown = [n for n in names if n not in SETUPS]
     if unknown:
         raise SystemExit(f"unknown setup(s) {unknown}; choose from {list(SETUPS)}")
+    peers = [n for n in names if n in PEER_SETUPS]
+    if peers and not getattr(args, "skipped", None):
+        from benchmarks import _peers
+
+        line = _peers.skip_line("setups " + ", ".join(peers))
+        if line:
+            names = [n for n in names if n not in PEER_SETUPS]
+            args.skipped = line
+    args.skipped = getattr(args, "skipped", None)
     args.setups = names
     args.warm_cache = args.warm_cache or args.quick
     return args
@@ -179,6 +228,7 @@ def measure(
     import warnings
 
     import torch
+    import torch._inductor.config as inductor_config
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch._inductor.utils import fresh_cache
@@ -204,35 +254,54 @@ def measure(
         groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
         local_mesh = DeviceMesh.from_group(groups[rank], "cpu")
     built = {}
+    world_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu") if any(SETUPS[n][1] == "simplefsdp" for n in setups) else None
     for key in variants:
         name, local = key
         _, kind, compiled, changes = SETUPS[name]
+        reshard, peer_pass = PEER_SETUPS.get(name, (True, None))
         if local:
             # fsdp_compile's first-run check compares collective sequences over the
             # default group; on per-rank groups the group names differ by design.
             changes = dict(changes, check_collective_consistency=False)
         torch.manual_seed(0)
         model = Llama(cfg)
-        shard = ours_fully_shard if kind == "ours" else fsdp2_fully_shard
-        mesh = {"mesh": local_mesh} if local else {}
-        for layer in model.layers:
-            shard(layer, **mesh)
-        shard(model, **mesh)
+        inductor_changes = {}
+        if kind == "simplefsdp":
+            from benchmarks import _peers
+
+            _peers.simple_fsdp(model, local_mesh if local else world_mesh, lambda fqn: reshard and fqn.startswith("layers."))
+            if peer_pass:
+                inductor_changes = _peers.inductor_options(peer_pass, model)
+        else:
+            shard = ours_fully_shard if kind == "ours" else fsdp2_fully_shard
+            mesh = {"mesh": local_mesh} if local else {}
+            for layer in model.layers:
+                shard(layer, **mesh, **({} if reshard else {"reshard_after_forward": False}))
+            shard(model, **mesh)
         stats = {"graphs": 0, "calls": 0}
         run_fn = torch.compile(model, backend=counting_inductor(stats)) if compiled else model
-        built[key] = (run_fn, torch.optim.AdamW(model.parameters(), lr=1e-4), changes, stats)
+        built[key] = (run_fn, torch.optim.AdamW(model.parameters(), lr=1e-4), changes, stats, inductor_changes)
     n_params = sum(p.numel() for p in Llama(cfg).parameters())
 
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
 
     def train_step(key) -> None:
-        run_fn, opt, changes, _ = built[key]
-        with config.patch(**changes):
+        run_fn, opt, changes, _, inductor_changes = built[key]
+        # A peer's Inductor options hold during its own steps only (its compiles happen
+        # in its first step: the forward graph in the call, the backward in backward()).
+        with config.patch(**changes), inductor_config.patch(inductor_changes), quiet(inductor_changes):
             logits = run_fn(tokens[:, :-1])
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+    def quiet(inductor_changes):
+        if not inductor_changes:
+            return contextlib.nullcontext()
+        from benchmarks import _peers
+
+        return _peers.quiet_cpu_estimates()
 
     def timed_step(key) -> float:
         dist.barrier()
@@ -316,6 +385,17 @@ def table(args, res: dict) -> str:
             f"| {label} | {step * 1e3:.0f} | {tokens / step:.0f} | {res['first'][name]:.1f} | {graphs} | {calls} "
             f"| {recompiles} | {local * 1e3:.0f} | {(step - local) * 1e3:.0f} |"
         )
+    if any(name in PEER_SETUPS for name in args.setups):
+        lines += [
+            "",
+            "Rows without \"no reshard\" re-gather the decoder layers in the backward (reshard_after_forward=True); "
+            "\"no reshard\" saves them from the forward. SimpleFSDP: per-parameter DTensor all-gathers in the graph "
+            "(torchtitan's graph_trainer design); manual bucketing = Inductor's manual_overlap_bucketing, one bucket "
+            "per decoder layer; auto bucketing = Inductor's overlap scheduling with collective bucketing "
+            "(analytical estimates; without a GPU its compute estimates are 0).",
+        ]
+    if args.skipped:
+        lines += ["", args.skipped]
     return "\n".join(lines)
 
 
@@ -325,6 +405,8 @@ def tables(args=None) -> list[str]:
     ``args``: an ``argparse.Namespace`` from :func:`parser`, a list of CLI strings
     (``["--quick"]``) or ``None`` for the defaults."""
     args = resolve(args)
+    if not args.setups:
+        return [args.skipped or "No setup to run."]
     return [table(args, run_on_pool(args, cold_compile=not args.warm_cache))]
 
 
