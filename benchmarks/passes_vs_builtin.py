@@ -46,7 +46,7 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
     from benchmarks import _peers
     from fsdp_compile import config, fully_shard
     from fsdp_compile._compat import register_fake_process_group
-    from fsdp_compile.passes.cost_model import _copy_graph
+    from fsdp_compile.passes.schedule import copy_graph
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
     register_fake_process_group()
@@ -60,7 +60,7 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
     captured: list[fx.GraphModule] = []
 
     def spy(graph: fx.Graph) -> None:
-        captured.append(fx.GraphModule(torch.nn.Module(), _copy_graph(graph)))
+        captured.append(fx.GraphModule(torch.nn.Module(), copy_graph(graph)))
 
     previous = inductor_config.post_grad_custom_post_pass
     inductor_config.post_grad_custom_post_pass = [spy, *previous]
@@ -82,11 +82,11 @@ def _variants(gm, profile: str, plans, peers: bool):
     import torch.fx as fx
 
     from fsdp_compile.passes.bucketing import bucket_collectives
-    from fsdp_compile.passes.cost_model import _copy_graph
+    from fsdp_compile.passes.schedule import copy_graph
     from fsdp_compile.passes.reordering import reorder_for_overlap
 
     def fresh():
-        return fx.GraphModule(gm, _copy_graph(gm.graph))
+        return fx.GraphModule(gm, copy_graph(gm.graph))
 
     traced = fresh()
     builtin = fresh()

@@ -169,12 +169,12 @@ def trace_step(cfg, world_size: int) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp_compile._compat import compile_fx_up_to_post_grad
-    from fsdp_compile.passes.cost_model import _copy_graph
+    from fsdp_compile.passes.schedule import copy_graph
 
     captured: list[fx.GraphModule] = []
 
     def capture(graph: fx.Graph) -> None:  # stands in for our post-grad pass
-        captured.append(fx.GraphModule(torch.nn.Module(), _copy_graph(graph)))
+        captured.append(fx.GraphModule(torch.nn.Module(), copy_graph(graph)))
 
     backend = compile_fx_up_to_post_grad()
 
@@ -213,18 +213,18 @@ def run_our_passes(gm) -> tuple[object, float, float]:
     import torch.fx as fx
 
     from fsdp_compile import config
-    from fsdp_compile.passes.cost_model import _copy_graph
+    from fsdp_compile.passes.schedule import copy_graph
     from fsdp_compile.passes.pinning import pin_schedule
-    from fsdp_compile.passes.registration import schedule_collectives
+    from fsdp_compile.passes.schedule import bucket_cap_bytes, schedule_collectives
 
     def ours():
-        graph = _copy_graph(gm.graph)
+        graph = copy_graph(gm.graph)
         start = time.perf_counter()
-        schedule_collectives(graph)
+        schedule_collectives(graph, bucket_cap_bytes(graph))
         return graph, time.perf_counter() - start
 
     (graph, first_s), (_, second_s) = ours(), ours()  # the faster of two runs: the first one warms up
-    pinned = fx.GraphModule(gm, _copy_graph(graph))
+    pinned = fx.GraphModule(gm, copy_graph(graph))
     start = time.perf_counter()
     pin_schedule(pinned.graph, config.reduce_scatter_depth)
     return graph, min(first_s, second_s), time.perf_counter() - start
@@ -288,12 +288,8 @@ def peak_live_bytes_keeping_aliases(graph) -> int:
     still used: ``simulate`` frees a value at its last *direct* use, so a tensor read
     only through a view (most saved activations, every gathered weight after its wait)
     counts as freed early."""
-    import operator
-
-    from fsdp_compile.passes.cost_model import _is_alias, collective_kind, tensor_bytes
-
-    def is_alias(node) -> bool:
-        return node.op == "call_function" and (_is_alias(node) or node.target is operator.getitem)
+    from fsdp_compile.passes.cost_model import tensor_bytes
+    from fsdp_compile.runtime.vocabulary import collective_kind, is_alias
 
     def base(node):
         while is_alias(node) and node.args and hasattr(node.args[0], "op"):

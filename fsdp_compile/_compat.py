@@ -28,6 +28,18 @@ from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402  (public, list
 # torch/utils/_pytree.py: map over nested containers (Dynamo traces it).
 from torch.utils._pytree import tree_map  # noqa: E402
 
+# torch/_ops.py: the type of ``torch.ops.<namespace>.<op>.<overload>`` (FX node targets).
+OpOverload = torch._ops.OpOverload
+
+
+def stable_topological_sort(graph) -> None:
+    """torch/_inductor/pattern_matcher.py: reorder ``graph``'s nodes so each comes after
+    its inputs, otherwise keeping the current order (a node that is early waits and is
+    placed right after the last of its inputs)."""
+    from torch._inductor.pattern_matcher import stable_topological_sort as _sort
+
+    _sort(graph)
+
 
 def detect_fake_mode(tensors):
     """torch/_guards.py: the FakeTensorMode the given (fake) tensors belong to, if any."""
@@ -217,41 +229,33 @@ def compile_fx_up_to_post_grad():
     return backend
 
 
+def reset_dynamo() -> None:
+    """torch/_dynamo/__init__.py: forget every compiled frame and Dynamo's per-code state."""
+    torch._dynamo.reset()
+
+
+def compile_counter(backend):
+    """torch/_dynamo/testing.py ``CompileCounterWithBackend``: a backend that runs
+    ``backend`` and counts the graphs (``frame_count``) it was given."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    return CompileCounterWithBackend(backend)
+
+
+def aot_autograd_backend(forward_compiler, backward_compiler, partitioner: str):
+    """torch/_dynamo/backends/common.py + torch/_functorch/partitioners.py: an
+    AOTAutograd backend with the given graph compilers and partitioner
+    (``"min_cut"``, Inductor's, or ``"default"``, ``aot_eager``'s)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    partition_fn = min_cut_rematerialization_partition if partitioner == "min_cut" else default_partition
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, partition_fn=partition_fn)
+
+
 def register_fake_process_group() -> None:
     """torch/testing/_internal/distributed/fake_pg.py registers backend "fake"."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
-
-
-__all__ = [
-    "c10d_functional",
-    "fx_annotate",
-    "CheckpointPolicy",
-    "get_joint_custom_pass",
-    "set_joint_custom_pass",
-    "is_backward_node",
-    "group_name_of",
-    "flat_group_of",
-    "compile_fx_up_to_post_grad",
-    "in_backward_recompute",
-    "outside_dispatch_modes",
-    "register_fake_process_group",
-    "detect_fake_mode",
-    "tree_map",
-    "CustomGraphPass",
-    "hash_of_files",
-    "get_post_grad_custom_post_pass",
-    "set_post_grad_custom_post_pass",
-    "preserve_node_ordering",
-    "mark_side_effectful",
-    "output_code_hook",
-    "register_torch_log",
-    "current_compile_attempt",
-    "dynamo_graph_break_counts",
-    "saved_tensors_hooks_active",
-    "allow_side_effects",
-    "never_a_frame_of_its_own",
-    "inside_compiled_call",
-]
 
 
 def inductor_comm_overlap_flags() -> dict[str, bool]:
@@ -273,4 +277,39 @@ def inductor_comm_overlap_flags() -> dict[str, bool]:
     return flags
 
 
-__all__ += ["inductor_comm_overlap_flags"]
+__all__ = [
+    "c10d_functional",
+    "fx_annotate",
+    "CheckpointPolicy",
+    "get_joint_custom_pass",
+    "set_joint_custom_pass",
+    "is_backward_node",
+    "group_name_of",
+    "flat_group_of",
+    "compile_fx_up_to_post_grad",
+    "in_backward_recompute",
+    "outside_dispatch_modes",
+    "register_fake_process_group",
+    "detect_fake_mode",
+    "tree_map",
+    "OpOverload",
+    "stable_topological_sort",
+    "reset_dynamo",
+    "compile_counter",
+    "aot_autograd_backend",
+    "CustomGraphPass",
+    "hash_of_files",
+    "get_post_grad_custom_post_pass",
+    "set_post_grad_custom_post_pass",
+    "preserve_node_ordering",
+    "mark_side_effectful",
+    "output_code_hook",
+    "register_torch_log",
+    "current_compile_attempt",
+    "dynamo_graph_break_counts",
+    "saved_tensors_hooks_active",
+    "allow_side_effects",
+    "never_a_frame_of_its_own",
+    "inside_compiled_call",
+    "inductor_comm_overlap_flags",
+]

@@ -5,7 +5,7 @@ The sharded ``DTensor`` (``Shard(0)`` on a 1-D mesh, ``torch.chunk`` layout)
 ``named_parameters()``, ``state_dict()``, optimizers, ``clip_grad_norm_`` and
 DCP see exactly what they see with FSDP2. Reading the attribute during a
 sharded forward returns the full tensor through
-:func:`fsdp_compile.runtime.collectives.all_gather_shard` instead.
+:func:`fsdp_compile.runtime.collectives.gather_with_grad_sync` instead.
 
 0-dim parameters cannot be split along dim 0; they are kept whole on every
 rank (a ``Replicate()`` DTensor) and their gradient is all-reduced.
@@ -13,21 +13,31 @@ rank (a ``Replicate()`` DTensor) and their gradient is all-reduced.
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile._compat import outside_dispatch_modes
-from fsdp_compile._fsdp_state import RegatherSlot, forward_context
-from fsdp_compile.runtime.collectives import (
-    ShardLayout,
-    collective_annotation,
-    all_gather_shard,
-    replicate_with_grad_sync,
-)
+from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
+from fsdp_compile.runtime.collectives import CollectiveSpec, ShardLayout, gather_with_grad_sync
+from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
+
+if TYPE_CHECKING:
+    from fsdp_compile._fsdp_state import FSDPUnit
+
+
+class ParamState(enum.Enum):
+    """Which tensor a read of the parameter returns (FSDP2's ``ShardedState``)."""
+
+    #: Only the shard exists: reads outside a sharded forward get the sharded parameter.
+    SHARDED = "sharded"
+    #: Gathered (with autograd) in a running sharded forward; dropped when it returns.
+    GATHERED = "gathered"
+    #: Gathered without autograd by ``FSDPModule.unshard()``, until ``reshard()``.
+    HELD = "held"
 
 
 class FSDPParam:
@@ -38,16 +48,17 @@ class FSDPParam:
         fqn: its name relative to the outermost sharded module (the root).
         sharded_param: the registered ``nn.Parameter`` wrapping a ``DTensor``.
         layout: the dim-0 split (``None`` for a 0-dim parameter, which is replicated).
+        spec: how its collectives run (:class:`~fsdp_compile.runtime.collectives.CollectiveSpec`).
+        state / gathered: the :class:`ParamState` and, unless ``SHARDED``, the full tensor.
         unit: the :class:`~fsdp_compile._fsdp_state.FSDPUnit` that owns it.
+        owner: the first module registering it, and the name it has there.
     """
 
-    def __init__(self, param: nn.Parameter, local_fqn: str, mesh: DeviceMesh, unit, module_index: int = 0) -> None:
+    def __init__(self, param: nn.Parameter, local_fqn: str, unit: FSDPUnit, module_index: int = 0) -> None:
         self.local_fqn = local_fqn
         self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
-        self.mesh = mesh
         dp = unit.dp_mesh
-        self.orig_dtype = param.dtype
         data = param.detach()
         if data.ndim == 0 or not dp.shards:
             self.layout = None  # replicated: gradient all-reduced
@@ -56,12 +67,10 @@ class FSDPParam:
             self.layout = ShardLayout(tuple(data.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
             start = min(dp.shard_rank * self.layout.rows_per_rank, data.shape[0])
             local = data.narrow(0, start, self.layout.local_rows).clone()
-        self.replicate_group_name = dp.replicate_group_name
-        self.allreduce_group_names = dp.reduce_group_names(sharded_dim0=self.layout is not None)
-        local = unit.offload.to_storage(local)
+        self.reduce_group_names = dp.reduce_group_names(sharded_dim0=self.layout is not None)
         dtensor = DTensor.from_local(
-            local,
-            mesh,
+            unit.devices.to_storage(local),
+            unit.mesh,
             dp.placements(sharded_dim0=self.layout is not None),
             run_check=False,
             shape=data.shape,
@@ -72,27 +81,79 @@ class FSDPParam:
         for key, value in vars(param).items():
             if not key.startswith("_fsdp"):
                 setattr(self.sharded_param, key, value)
-        self._unsharded: torch.Tensor | None = None
-        self._regather_slot: RegatherSlot | None = None
+        self.state = ParamState.SHARDED
+        self.gathered: torch.Tensor | None = None
         self._grad_accumulator: torch.Tensor | None = None
-        self.held: torch.Tensor | None = None  # gathered by FSDPModule.unshard()
-        self.owner: tuple[nn.Module, str] | None = None  # first module registering it, and the name
+        self.owner: tuple[nn.Module, str] | None = None
+        self.refresh_spec()
 
-    def hold_unsharded(self) -> None:
-        if self.held is None:
-            self.held = self.full_without_autograd()
+    @property
+    def fqn(self) -> str:
+        prefix = self.unit.module_fqns[self.module_index]
+        return f"{prefix}.{self.local_fqn}" if prefix else self.local_fqn
 
-    def full_without_autograd(self) -> torch.Tensor:
-        """The full tensor on the compute device, in the policy's ``param_dtype``,
-        outside autograd (gathered unless the parameter is replicated)."""
-        if self.layout is not None:
-            return self.regather()
-        full = self.unit.offload.to_compute(self.sharded_param.to_local().detach())
-        param_dtype = self.unit.mp_policy.param_dtype
-        return full if param_dtype is None else full.to(param_dtype)
+    def refresh_spec(self) -> None:
+        """Rebuild :attr:`spec` from the unit's current options (see ``FSDPUnit.refresh_specs``)."""
+        unit = self.unit
+        factor = unit.gradient_divide_factor
+        self.spec = CollectiveSpec(
+            layout=self.layout,
+            tag=CollectiveTag(
+                Role.UNSHARD,
+                self.fqn,
+                unit.fqn,
+                unit.resolved_reshard_after_forward(),
+                None if unit.forward_prefetched_by is None else unit.forward_prefetched_by.fqn,
+                None if unit.backward_prefetched_by is None else unit.backward_prefetched_by.fqn,
+            ),
+            reduce_group_names=self.reduce_group_names,
+            reduce_op="avg" if factor is None else "sum",
+            grad_scale=None if factor is None else 1.0 / factor,
+            param_dtype=unit.mp_policy.param_dtype,
+            reduce_dtype=unit.mp_policy.reduce_dtype,
+        )
 
-    def release_unsharded(self) -> None:
-        self.held = None
+    def gather(self, sharded_param: nn.Parameter) -> torch.Tensor:
+        """The full tensor, with autograd (its gradient is reduced back into the shard);
+        gathered once, then reused until the innermost running sharded forward returns
+        (see :class:`~fsdp_compile._fsdp_state._ForwardContext`).
+
+        ``sharded_param`` is passed in (rather than read from ``self``) so that
+        Dynamo sees it come from the module's ``_parameters`` and lifts it as a
+        graph input with a stable source.
+        """
+        if self.state is not ParamState.SHARDED:
+            return self.gathered
+        if forward_context.in_broken_graph():
+            warn_gathered_in_broken_graph(self)
+        local = self.unit.devices.to_compute(sharded_param.to_local())
+        accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
+        pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
+        self.gathered = gather_with_grad_sync(local, self.spec, pending, accumulator)
+        self.state = ParamState.GATHERED
+        forward_context.note_gathered(self)
+        return self.gathered
+
+    def gather_without_autograd(self) -> torch.Tensor:
+        """The full tensor on the compute device in ``param_dtype``, outside autograd
+        (eager code only: ``unshard()``, eager backward's re-gather)."""
+        spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
+        with torch.no_grad():
+            return gather_with_grad_sync(self.unit.devices.to_compute(self.sharded_param.to_local()), spec)
+
+    def drop_gathered(self) -> None:
+        """The running sharded forward that gathered this parameter returns."""
+        if self.state is ParamState.GATHERED:
+            self.state, self.gathered = ParamState.SHARDED, None
+
+    def hold(self) -> None:
+        """Keep the full tensor until :meth:`release` (``FSDPModule.unshard()``)."""
+        if self.state is not ParamState.HELD:
+            self.gathered, self.state = self.gather_without_autograd(), ParamState.HELD
+
+    def release(self) -> None:
+        if self.state is ParamState.HELD:
+            self.state, self.gathered = ParamState.SHARDED, None
 
     def prepare_gradient_accumulation(self) -> None:
         """Create the leaf that collects this parameter's unsharded gradient while
@@ -117,107 +178,8 @@ class FSDPParam:
         if self._grad_accumulator is not None and self.unit.requires_gradient_sync:
             self._grad_accumulator.grad = None
 
-    def unshard(self, sharded_param: nn.Parameter) -> torch.Tensor:
-        """The full tensor; gathered once, then reused until the innermost running
-        sharded forward returns (see :class:`~fsdp_compile._fsdp_state._ForwardContext`).
-
-        ``sharded_param`` is passed in (rather than read from ``self``) so that
-        Dynamo sees it come from the module's ``_parameters`` and lifts it as a
-        graph input with a stable source.
-        """
-        if self._unsharded is not None:
-            return self._unsharded
-        unit = self.unit
-        annotation = collective_annotation(
-            "unshard",
-            self.fqn,
-            unit.fqn,
-            unit.resolved_reshard_after_forward(),
-            None if unit.forward_prefetched_by is None else unit.forward_prefetched_by.fqn,
-            None if unit.backward_prefetched_by is None else unit.backward_prefetched_by.fqn,
-        )
-        if forward_context.in_broken_graph():
-            warn_graph_break(self)
-        local = self.unit.offload.to_compute(sharded_param.to_local())
-        policy = self.unit.mp_policy
-        accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
-        pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
-        gather = replicate_with_grad_sync if self.layout is None else all_gather_shard
-        factor = self.unit.gradient_divide_factor
-        full = gather(
-            local,
-            self.allreduce_group_names if self.layout is None else self.layout,
-            annotation,
-            reduce_op="avg" if factor is None else "sum",
-            grad_scale=None if factor is None else 1.0 / factor,
-            param_dtype=policy.param_dtype,
-            reduce_dtype=policy.reduce_dtype,
-            pending=pending,
-            accumulator=accumulator,
-            **({} if self.layout is None else {"replicate_group_name": self.replicate_group_name}),
-        )
-        self._unsharded = full
-        forward_context.note_gathered(self, full)
-        return full
-
-    def regather(self) -> torch.Tensor:
-        """Eager backward: the full tensor again, without autograd (see ``eager_reshard_hooks``)."""
-        annotation = collective_annotation("regather", self.fqn, self.unit.fqn, True)
-        with torch.no_grad():
-            return all_gather_shard(
-                self.unit.offload.to_compute(self.sharded_param.to_local()), self.layout, annotation, param_dtype=self.unit.mp_policy.param_dtype
-            )
-
-    def regather_for_recompute(self) -> torch.Tensor:
-        """The full tensor for an activation-checkpointing recompute in eager backward.
-
-        The recomputed ops only refill saved tensors (gradients flow through the
-        original forward's graph), but they must save what the original saved,
-        which depends on whether the weight requires grad: hence a fresh leaf. The
-        gather runs outside selective checkpointing's recompute mode, which only
-        accepts the ops its region ran in forward."""
-        with outside_dispatch_modes():
-            full = self.full_without_autograd()
-        return full.detach().requires_grad_(self.sharded_param.requires_grad)
-
-    def regather_slot(self) -> RegatherSlot:
-        """The slot shared by all saved views of this parameter in the current forward."""
-        if self._regather_slot is None or self._regather_slot.pending == 0:
-            self._regather_slot = RegatherSlot(self)
-        return self._regather_slot
-
-    @property
-    def unsharded(self) -> torch.Tensor | None:
-        """The full tensor gathered in the running sharded forward, if any."""
-        return self._unsharded
-
-    @property
-    def fqn(self) -> str:
-        prefix = self.unit.module_fqns[self.module_index]
-        return f"{prefix}.{self.local_fqn}" if prefix else self.local_fqn
-
-    def drop_unsharded(self) -> None:
-        if self._unsharded is not None:
-            forward_context.forget_storage(self._unsharded)
-        self._unsharded = None
-
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn!r}, shape={tuple(self.sharded_param.shape)}, unit={self.unit.fqn!r})"
-
-
-def warn_graph_break(fsdp_param: FSDPParam) -> None:
-    """Once per unit: its parameters are gathered in eager code between compiled graphs."""
-    if fsdp_param.unit.warned_eager_gather:
-        return
-    fsdp_param.unit.warned_eager_gather = True
-    unit = fsdp_param.unit.fqn or "(root)"
-    warnings.warn(
-        f"fsdp_compile: graph break inside the sharded forward of unit {unit!r}: parameter "
-        f"{fsdp_param.fqn!r} is gathered in eager code between compiled graphs, so its collectives "
-        "cannot be bucketed or overlapped. TORCH_LOGS=graph_breaks shows where Dynamo broke; "
-        "fsdp_compile.debug.dump(DIR) writes each graph and its collectives.",
-        stacklevel=3,
-    )
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

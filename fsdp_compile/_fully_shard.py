@@ -21,17 +21,17 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_compile import _eager
 from fsdp_compile._compat import (
     allow_side_effects,
     flat_group_of,
+    in_backward_recompute,
     inside_compiled_call,
     never_a_frame_of_its_own,
-    in_backward_recompute,
-    saved_tensors_hooks_active,
-    tree_map,
 )
-from fsdp_compile._fsdp_param import FSDPParam
-from fsdp_compile._fsdp_state import FSDPUnit, ShardPlacement, compute_device, forward_context
+from fsdp_compile._fsdp_param import FSDPParam, ParamState
+from fsdp_compile._fsdp_state import FSDPUnit, ShardDevices, compute_device, forward_context
+from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
 # Set on an original (unsharded) nn.Parameter once it is sharded, so that a
@@ -68,15 +68,16 @@ class FSDPModule:
         context's Python state changes are allowed inside activation-checkpointing
         regions (they are not replayed by a compiled backward, which never runs Python)."""
         policy = self._fsdp_unit.mp_policy
-        args, kwargs = _cast_inputs(policy, args, kwargs)
+        args, kwargs = cast_inputs(policy, args, kwargs)
         allow_side_effects(forward_context.enter)
         output = super().forward(*args, **kwargs)
         allow_side_effects(forward_context.exit)
-        return _cast_output(policy, output)
+        return cast_output(policy, output)
 
     @never_a_frame_of_its_own
     def _forward_eager(self, *args, **kwargs):
-        args, kwargs, reshard_hooks = self._pre_forward_eager(inside_compiled_call(), args, kwargs)
+        """Plain eager, or eager code inside a compiled call (see ``fsdp_compile._eager``)."""
+        args, kwargs, reshard_hooks = _eager.pre_forward(self._fsdp_unit, inside_compiled_call(), args, kwargs)
         try:
             if reshard_hooks is None:
                 output = super().forward(*args, **kwargs)
@@ -84,48 +85,8 @@ class FSDPModule:
                 with reshard_hooks:
                     output = super().forward(*args, **kwargs)
         finally:
-            _post_forward_eager()
-        return _cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
-
-    @torch.compiler.disable
-    def _pre_forward_eager(self, inside_compiled_call: bool, args, kwargs):
-        """Cast the inputs, open the forward context and gather the whole unit (FSDP2's
-        pre-forward); returns the inputs and the saved-tensor hooks that reshard after
-        forward, or ``None``.
-
-        Runs outside Dynamo. Inside a compiled step that fell back to eager here (the
-        user's own graph break), the user's forward is then compiled as a frame of its
-        own, as it is unsharded; gathering inside it would tag each unit's graph with
-        the unit (one recompile per unit), so the unit is gathered here, eagerly, as
-        FSDP2 does, and a warning names it. Dynamo must not meet our eager saved-tensor
-        hooks there."""
-        args, kwargs = _cast_inputs(self._fsdp_unit.mp_policy, args, kwargs)
-        forward_context.enter(compiled=inside_compiled_call)
-        # Eager resharding via saved-tensor hooks, unless other hooks already manage
-        # saved tensors (activation checkpointing recomputes them anyway).
-        outermost = (
-            not inside_compiled_call
-            and forward_context.depth == 1
-            and torch.is_grad_enabled()
-            and not saved_tensors_hooks_active()
-        )
-        try:
-            self._gather_unit()
-        except BaseException:
-            forward_context.exit()
-            raise
-        return args, kwargs, forward_context.eager_reshard_hooks() if outermost else None
-
-    def _gather_unit(self) -> None:
-        """Gather every parameter of the unit when its forward starts, as FSDP2's
-        pre-forward does. Reads inside the forward then hit the cache, so an
-        activation-checkpointed region saves and recomputes the same ops, and
-        under compile (where it is a subgraph) holds no collective or state
-        update, which Dynamo does not allow there."""
-        for fsdp_param in self._fsdp_unit.params:
-            if fsdp_param.held is None and fsdp_param.owner is not None:
-                owner, name = fsdp_param.owner
-                fsdp_param.unshard(owner._parameters[name])
+            _eager.post_forward()
+        return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """Gather this unit's parameters and keep them gathered until :meth:`reshard`
@@ -134,13 +95,13 @@ class FSDPModule:
         nothing. They are gathered without autograd: call ``reshard()`` before
         training again. A collective: every rank must call it."""
         for fsdp_param in self._fsdp_unit.params:
-            fsdp_param.hold_unsharded()
+            fsdp_param.hold()
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
         """Free the parameters gathered by :meth:`unshard`."""
         for fsdp_param in self._fsdp_unit.params:
-            fsdp_param.release_unsharded()
+            fsdp_param.release()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Gradient accumulation without communication, as FSDP2's.
@@ -156,8 +117,6 @@ class FSDPModule:
                 for fsdp_param in unit.params:
                     fsdp_param.prepare_gradient_accumulation()
 
-
-
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (compiled graphs holding these units recompile)."""
         if not isinstance(reshard_after_forward, bool):
@@ -166,6 +125,7 @@ class FSDPModule:
             )
         for unit in units_in(self, recurse):
             unit.reshard_after_forward = reshard_after_forward
+            unit.refresh_specs()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Only ``True`` (the default): gathered parameters never outlive a compiled step."""
@@ -188,6 +148,7 @@ class FSDPModule:
         """
         for unit in self._prefetch_targets("set_modules_to_forward_prefetch", modules):
             unit.forward_prefetched_by = self._fsdp_unit
+            unit.refresh_specs()
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Issue the backward all-gathers (re-gathers after ``reshard_after_forward``) of
@@ -195,6 +156,7 @@ class FSDPModule:
         :meth:`set_modules_to_forward_prefetch`."""
         for unit in self._prefetch_targets("set_modules_to_backward_prefetch", modules):
             unit.backward_prefetched_by = self._fsdp_unit
+            unit.refresh_specs()
 
     def _prefetch_targets(self, method: str, modules) -> list[FSDPUnit]:
         units = []
@@ -216,11 +178,7 @@ class FSDPModule:
             raise ValueError(f"set_gradient_divide_factor({factor}): the factor must be positive")
         for unit in units_in(self, recurse=False):
             unit.gradient_divide_factor = float(factor)
-
-
-@torch.compiler.disable
-def _post_forward_eager() -> None:
-    forward_context.exit()
+            unit.refresh_specs()
 
 
 class UnshardHandle:
@@ -249,24 +207,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             forward_context.exit()
 
     setattr(module, method_name, sharded_method.__get__(module))
-
-
-def _cast_floating(tree, dtype: torch.dtype):
-    """Floating-point tensors in ``tree`` cast to ``dtype`` (FSDP2's input/output casting)."""
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
-
-
-def _cast_inputs(policy: MixedPrecisionPolicy, args, kwargs):
-    if policy.cast_forward_inputs and policy.param_dtype is not None:
-        return _cast_floating((args, kwargs), policy.param_dtype)
-    return args, kwargs
-
-
-def _cast_output(policy: MixedPrecisionPolicy, output):
-    return output if policy.output_dtype is None else _cast_floating(output, policy.output_dtype)
-
-
-_cast_output_outside_dynamo = torch.compiler.disable(_cast_output)
 
 
 def fully_shard(
@@ -350,14 +290,14 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     unit = FSDPUnit(
         modules=modules,
         mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
         dp_mesh=DataParallelMesh(mesh, shard=shard),
-        offload=ShardPlacement(
+        devices=ShardDevices(
             compute_device(mesh),
             offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=getattr(offload_policy, "pin_memory", False),
         ),
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
     )
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
@@ -369,20 +309,21 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
         if fsdp_param is None:
             fsdp_param = by_original.get(id(param))
         if fsdp_param is None:
-            fsdp_param = FSDPParam(param, fqn, mesh, unit, module_index)
+            fsdp_param = FSDPParam(param, fqn, unit, module_index)
             by_original[id(param)] = fsdp_param
             unit.params.append(fsdp_param)
             setattr(param, _SHARDED_AS, fsdp_param)
         _install_managed_param(owner, name, fsdp_param)
 
     for m in modules:
-        _swap_to_fsdp_class(m)
+        _swap_class(m, is_unit=True)
         m._fsdp_unit = unit
         for prefix, sub in m.named_modules():
             if isinstance(sub, FSDPModule) and sub is not m:
                 # Nested units are no longer roots, and are named from this module.
                 sub._fsdp_unit.is_root = False
                 sub._fsdp_unit.set_module_fqn(sub, prefix)
+                sub._fsdp_unit.refresh_specs()
     return module
 
 
@@ -561,10 +502,6 @@ def _install_managed_param(owner: nn.Module, name: str, fsdp_param: FSDPParam) -
     _swap_class(owner, is_unit=isinstance(owner, FSDPModule))
 
 
-def _swap_to_fsdp_class(module: nn.Module) -> None:
-    _swap_class(module, is_unit=True)
-
-
 def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
     cls = type(module)
     orig = getattr(cls, "_fsdp_orig_class", cls)
@@ -607,28 +544,23 @@ def _managed_param_property(name: str) -> property:
 
 
 def _read_managed(module: nn.Module, name: str):
-    """A managed parameter's value: the full tensor inside a sharded forward, else the
-    sharded ``nn.Parameter``."""
+    """A managed parameter's value: the full tensor inside a sharded forward (or while
+    held by ``unshard()``), else the sharded ``nn.Parameter``."""
     fsdp_param = module._fsdp_params[name]
-    if fsdp_param.held is not None:
-        return fsdp_param.held  # FSDPModule.unshard() was called
-    if forward_context.depth > 0 and fsdp_param.unsharded is not None:
-        # Gathered already in this forward. Checked before touching the sharded
-        # DTensor, so a checkpointed region (a subgraph under compile) takes only
-        # this plain tensor as input.
-        return fsdp_param.unsharded
+    if fsdp_param.state is not ParamState.SHARDED:
+        # Gathered already. Checked before touching the sharded DTensor, so a
+        # checkpointed region (a subgraph under compile) takes only this plain tensor.
+        return fsdp_param.gathered
     param = module._parameters[name]
     if forward_context.depth == 0:
         if not torch.compiler.is_compiling() and in_backward_recompute():
             # Eager activation checkpointing inside a unit: backward re-runs the
             # checkpointed region outside the unit's forward; it needs the values only.
-            return fsdp_param.regather_for_recompute()
+            return _eager.gather_for_recompute(fsdp_param)
         return param
-    if torch.compiler.is_compiling():
-        # Caching the gathered tensor is a side effect, allowed inside an activation-
-        # checkpointing region (e.g. checkpoint(layer) around a sharded layer).
-        return allow_side_effects(fsdp_param.unshard, param)
-    return fsdp_param.unshard(param)
+    # Caching the gathered tensor is a side effect, allowed inside an activation-
+    # checkpointing region (e.g. checkpoint(layer) around a sharded layer).
+    return allow_side_effects(fsdp_param.gather, param)
 
 
 # Reads from eager code between the graphs of a compiled step that broke run outside

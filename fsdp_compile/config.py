@@ -59,6 +59,13 @@ check_collective_consistency: bool = True
 #: (see ``fsdp_compile.passes.cost_model.PROFILES``).
 hardware_profile: str = "cpu-gloo"
 
+#: Cost model: the value of a symbolic size (dynamic shapes) that has no hint.
+symbolic_size_hint: int = 1024
+
+#: Seconds a rank waits for its peers in the first-run collective check before it
+#: raises alone (a rank running a graph its peers never run).
+consistency_timeout_s: float = 120.0
+
 _FIELDS = (
     "reshard_pass",
     "bucketing",
@@ -70,6 +77,8 @@ _FIELDS = (
     "max_inflight_bytes",
     "check_collective_consistency",
     "hardware_profile",
+    "symbolic_size_hint",
+    "consistency_timeout_s",
 )
 _BUCKET_MODES = ("unit", "cap", "auto")
 

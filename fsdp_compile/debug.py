@@ -86,6 +86,7 @@ def _save_output_code(code: str) -> None:
 
 
 # ------------------------------------------------------------- pass-side hooks
+# Called by fsdp_compile.passes (which writes the reports); this module imports no pass.
 
 
 def begin_graph(kind: str) -> Path | None:
@@ -106,36 +107,10 @@ def record_graph(folder: Path | None, name: str, graph: fx.Graph) -> None:
     (folder / f"{name}.py").write_text(code)
 
 
-def record_joint(gm: fx.GraphModule) -> None:
-    """The reshard pass's decisions on one joint graph."""
+def next_joint_file() -> Path | None:
+    """Where the next joint graph's record goes (``joint_<k>.md``), when dumping."""
     root = dump_dir()
-    if root is None:
-        return
-    from fsdp_compile.runtime.collectives import tag_of
-
-    lines = ["| node | role | unit | parameter | recompute |", "|---|---|---|---|---|"]
-    for node in gm.graph.nodes:
-        tag = tag_of(node)
-        if tag is None or node.op != "call_function" or "all_gather" not in str(node.target):
-            continue
-        lines.append(
-            f"| {node.name} | {tag['role']} | {tag['unit_fqn'] or '(root)'} | {tag['param_fqn']} "
-            f"| {node.meta.get('recompute', 'partitioner default (save)')} |"
-        )
-    (root / f"joint_{next(_joint_ids)}.md").write_text("\n".join(lines) + "\n")
-
-
-def write_report(folder: Path | None, graph: fx.Graph, profile: str) -> None:
-    """``collectives.md``, ``timeline.json`` and ``timeline.svg`` for the final order."""
-    if folder is None:
-        return
-    from fsdp_compile.passes.cost_model import simulate
-    from fsdp_compile.passes.report import collectives_table, timeline_chrome_trace, timeline_svg
-
-    sim = simulate(graph, profile)
-    (folder / "collectives.md").write_text(collectives_table(graph, sim))
-    (folder / "timeline.json").write_text(timeline_chrome_trace(sim))
-    (folder / "timeline.svg").write_text(timeline_svg(sim))
+    return None if root is None else root / f"joint_{next(_joint_ids)}.md"
 
 
 def _dump_from_environment() -> None:

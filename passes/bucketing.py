@@ -30,25 +30,27 @@ shard needs padding have extra nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from fsdp_compile._compat import stable_topological_sort
+from fsdp_compile.passes.graph_utils import emit, inputs_after, move_before
 from fsdp_compile.runtime import bucket_copies  # noqa: F401  (registers the copy-in ops)
-from fsdp_compile.runtime.collectives import ANNOTATION_KEY, tag_of
-from fsdp_compile.passes.graph_utils import (
+from fsdp_compile.runtime.vocabulary import (
     ALL_GATHER,
     REDUCE_SCATTER,
     WAIT,
     Collective,
+    CollectiveTag,
     aten,
-    emit,
-    inputs_after,
-    move_before,
+    is_call,
+    is_zero_constructor,
     our_collectives,
-    stable_topological_sort,
+    tag_of,
     val,
 )
 
@@ -76,7 +78,7 @@ class Bucket:
 
 def bucket_key(c: Collective) -> tuple:
     """Collectives may share a bucket only if they agree on all of these."""
-    return (c.kind, c.tag["unit_fqn"], c.tag["role"], c.group_name, c.world_size, c.reduce_op, c.dtype)
+    return (c.kind, c.tag.unit_fqn, c.tag.role, c.group_name, c.world_size, c.reduce_op, c.dtype)
 
 
 def plan_buckets(collectives: list[Collective], cap_bytes: int | None = None) -> list[Bucket]:
@@ -104,16 +106,18 @@ def _unpadded_source(c: Collective) -> fx.Node:
     """The collective's input before the runtime's zero padding (``pad_dim0``); the
     copy-in then pads in the same pass."""
     node = c.input
-    if node.op == "call_function" and node.target is PAD_DIM0:
+    if is_call(node) and node.target is PAD_DIM0:
         return node.args[0]
     return node
 
 
-def _bucket_tag(bucket: Bucket) -> dict:
-    first = dict(bucket.members[0].tag)
-    first["param_fqn"] = ",".join(m.tag["param_fqn"] for m in bucket.members)
-    first["bucket_size"] = len(bucket.members)
-    return {ANNOTATION_KEY: first}
+def _bucket_tag(bucket: Bucket) -> CollectiveTag:
+    """The first member's tag, naming every member."""
+    return dataclasses.replace(
+        bucket.members[0].tag,
+        param_fqn=",".join(m.tag.param_fqn for m in bucket.members),
+        bucket_size=len(bucket.members),
+    )
 
 
 def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
@@ -122,7 +126,7 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
     numels = [m.input_numel for m in members]
     total = sum(numels)
     tag = _bucket_tag(bucket)
-    anchor = _all_gather_anchor(graph, members)
+    anchor = _all_gather_anchor(members)
     with graph.inserting_before(anchor):
         sources = [_unpadded_source(m) for m in members]
         copy_in = emit(graph, ALL_GATHER_COPY_IN, (sources, numels), tag=tag)
@@ -154,14 +158,14 @@ def _erase_if_unused(graph: fx.Graph, node: fx.Node) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
-        is_padding = tag_of(n) is not None or n.target in (aten.full.default, aten.zeros.default)
-        if n.op == "call_function" and not n.users and is_padding:
+        is_padding = tag_of(n) is not None or is_zero_constructor(n)
+        if is_call(n) and not n.users and is_padding:
             inputs = n.all_input_nodes
             graph.erase_node(n)
             stack.extend(inputs)
 
 
-def _all_gather_anchor(graph: fx.Graph, members: list[Collective]) -> fx.Node:
+def _all_gather_anchor(members: list[Collective]) -> fx.Node:
     """Where a merged all-gather goes: at its first member, as FSDP2 gathers a unit
     when the unit's forward starts (a root unit's embedding is needed first, its
     output projection last). Later members' input chains (the shard, padding
@@ -170,14 +174,13 @@ def _all_gather_anchor(graph: fx.Graph, members: list[Collective]) -> fx.Node:
     instead would let ranks that pad issue buckets in another order (a hang).
     If an input chain holds real compute, the bucket goes to its last member."""
     anchor = members[0].issue
-    order = {n: i for i, n in enumerate(graph.nodes)}
     chains = []
     for m in members[1:]:
-        chain = inputs_after(m.issue, anchor, order)
+        chain = inputs_after(m.issue, anchor)
         if chain is None:
             return members[-1].issue
         chains.extend(n for n in chain if n is not m.issue and n not in chains)
-    move_before(sorted(chains, key=order.__getitem__), anchor)
+    move_before(sorted(chains), anchor)
     return anchor
 
 
@@ -208,11 +211,11 @@ def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:
         log.debug(
             "%s bucket for unit %r: %d collective(s) -> 1, %s, %d bytes per rank: %s",
             bucket.kind,
-            first.tag["unit_fqn"] or "(root)",
+            first.tag.unit_label,
             len(bucket.members),
             str(first.dtype).replace("torch.", ""),
             bucket.input_bytes,
-            ", ".join(m.tag["param_fqn"] for m in bucket.members),
+            ", ".join(m.tag.param_fqn for m in bucket.members),
         )
         if len(bucket.members) < 2:
             continue

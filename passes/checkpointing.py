@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile._compat import CheckpointPolicy, is_backward_node
+from fsdp_compile.runtime.vocabulary import is_aten_kernel
 
 log = logging.getLogger("fsdp_compile.passes.checkpointing")
 
@@ -37,10 +38,9 @@ def save_random_ops_in_checkpointed_regions(gm: fx.GraphModule) -> fx.GraphModul
     """
     retagged = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or is_backward_node(node) or "recompute" not in node.meta:
+        if not is_aten_kernel(node) or is_backward_node(node) or "recompute" not in node.meta:
             continue
-        target = node.target
-        if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        if torch.Tag.nondeterministic_seeded not in node.target.tags:
             continue
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         for user in node.users:

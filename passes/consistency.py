@@ -13,7 +13,7 @@ and both ranks' versions.
 
 Cost: two small all-gathers the first time each distinct graph runs.
 Limit: a rank that runs a graph its peers never run waits for them until
-``fsdp_compile.runtime.consistency.timeout_s`` and then raises alone.
+``fsdp_compile.config.consistency_timeout_s`` and then raises alone.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import json
 import torch
 import torch.fx as fx
 
-from fsdp_compile.passes.graph_utils import is_backward_graph, is_collective_issue
 from fsdp_compile.runtime import consistency  # noqa: F401  (registers the op)
 from fsdp_compile.runtime.process_groups import group_label
+from fsdp_compile.runtime.vocabulary import graph_name, group_of, is_collective_issue, reduce_op_of
 
 CHECK = torch.ops.fsdp_compile.check_collective_sequence.default
 
@@ -36,9 +36,9 @@ def collective_fingerprint(graph: fx.Graph) -> list[list[str]]:
     for node in graph.nodes:
         if not is_collective_issue(node):
             continue
-        strings = [a for a in node.args if isinstance(a, str)]
-        group = group_label(strings[-1]) if strings else "?"
-        reduce_op = strings[0] if len(strings) > 1 else ""
+        group = group_of(node)
+        group = group_label(group) if group is not None else "?"
+        reduce_op = reduce_op_of(node) or ""
         first = node.args[0]
         values = first if isinstance(first, (list, tuple)) else [first]
         shapes = []
@@ -48,10 +48,6 @@ def collective_fingerprint(graph: fx.Graph) -> list[list[str]]:
                 shapes.append(f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}")
         entries.append([node.target._opname, group, reduce_op, ",".join(shapes)])
     return entries
-
-
-def graph_name(graph: fx.Graph) -> str:
-    return "backward graph" if is_backward_graph(graph) else "forward graph"
 
 
 def insert_consistency_check(graph: fx.Graph) -> fx.Node | None:

@@ -17,23 +17,29 @@ deterministic (every rank must reach the same decisions from the same graph):
   the peak of live bytes produced by the graph (inputs excluded).
 
 Shapes come from ``node.meta["val"]``; a symbolic size is evaluated at its
-hint (``symbolic_size_hint``) and the fact is recorded in the report.
+hint (``fsdp_compile.config.symbolic_size_hint``) and the fact is recorded in the report.
 """
 
 from __future__ import annotations
-
-import operator
 
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from fsdp_compile._compat import c10d_functional
-from fsdp_compile.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT
-from fsdp_compile.runtime.collectives import tag_of
-
-aten = torch.ops.aten
+from fsdp_compile import config
+from fsdp_compile.runtime.vocabulary import (
+    WAIT,
+    aten,
+    collective_kind,
+    is_alias,
+    is_aten_kernel,
+    is_zero_constructor,
+    positions,
+    tag_of,
+    world_size_of,
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +75,6 @@ def get_profile(name: str) -> HardwareProfile:
         raise ValueError(f"unknown hardware profile {name!r}; known: {sorted(PROFILES)}") from None
 
 
-#: Value used for a symbolic size without a hint (dynamic shapes).
-symbolic_size_hint: int = 1024
-
-
 def _concrete(x, notes: set) -> int:
     if isinstance(x, int):
         return x
@@ -83,8 +85,8 @@ def _concrete(x, notes: set) -> int:
             return int(node.hint)
     except AttributeError:
         pass
-    notes.add(f"symbolic sizes without a hint evaluated at {symbolic_size_hint}")
-    return symbolic_size_hint
+    notes.add(f"symbolic sizes without a hint evaluated at {config.symbolic_size_hint}")
+    return config.symbolic_size_hint
 
 
 def _numel(t: torch.Tensor, notes: set) -> int:
@@ -104,57 +106,51 @@ def tensor_bytes(node: fx.Node, notes: set | None = None) -> int:
     return 0
 
 
-_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-_FREE = {aten.full.default, aten.zeros.default, aten.empty.memory_format, aten.scalar_tensor.default}
+#: CPU attention ops, absent from ``torch.utils.flop_counter``'s registry; their
+#: FLOPs are the same as the flash-attention kernels'.
+_CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+_CPU_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _concrete_value(x, notes: set):
+    """A recorded value with every symbolic size made concrete (meta tensors for tensors)."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty([_concrete(s, notes) for s in x.shape], dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_concrete_value(v, notes) for v in x)
+    return x
 
 
 def node_flops(node: fx.Node, notes: set) -> int:
-    if node.target in _MATMULS:
-        a, b = (node.args[1], node.args[2]) if node.target in (aten.addmm.default, aten.baddbmm.default) else node.args[:2]
-        av, bv = a.meta["val"], b.meta["val"]
-        batch = _concrete(av.shape[0], notes) if av.dim() == 3 else 1
-        m, k = _concrete(av.shape[-2], notes), _concrete(av.shape[-1], notes)
-        n = _concrete(bv.shape[-1], notes)
-        return 2 * batch * m * n * k
-    name = str(node.target)
-    if "scaled_dot_product" in name and "backward" not in name:
-        q = node.args[0].meta["val"]
-        b, h, s, d = (_concrete(x, notes) for x in q.shape)
-        return 4 * b * h * s * s * d
-    if "scaled_dot_product" in name:
-        q = node.args[1].meta["val"] if len(node.args) > 1 else node.args[0].meta["val"]
-        b, h, s, d = (_concrete(x, notes) for x in q.shape[-4:])
-        return 8 * b * h * s * s * d
-    return 0
+    """FLOPs of a node, by ``torch.utils.flop_counter``'s formulas (0 for ops it has none for)."""
+    if not is_aten_kernel(node):
+        return 0
+    target = node.target
+    formula = flop_registry.get(target.overloadpacket)
+    if formula is None and target not in (_CPU_ATTENTION, _CPU_ATTENTION_BACKWARD):
+        return 0
+    args, kwargs = _concrete_value(fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val")), notes)
+    if target is _CPU_ATTENTION:
+        return sdpa_flop_count(*(t.shape for t in args[:3]))
+    if target is _CPU_ATTENTION_BACKWARD:
+        return sdpa_backward_flop_count(*(t.shape for t in args[:4]))
+    return int(formula(*args, out_val=_concrete_value(node.meta.get("val"), notes), **kwargs))
 
 
 def compute_seconds(node: fx.Node, profile: HardwareProfile, notes: set) -> float:
-    target = node.target
-    if node.op != "call_function" or target in _FREE or target is WAIT or target is operator.getitem:
-        return 0.0
-    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+    """``max(flops / flops_per_s, bytes moved / mem_bytes_per_s)``; 0 for views,
+    waits, tuple items and constants."""
+    if not is_aten_kernel(node) or is_zero_constructor(node) or is_alias(node):
         return 0.0
     flops = node_flops(node, notes)
     moved = tensor_bytes(node, notes) + sum(tensor_bytes(i, notes) for i in node.all_input_nodes)
     return max(flops / profile.flops_per_s, moved / profile.mem_bytes_per_s)
 
 
-def collective_kind(node: fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    if node.target in (ALL_GATHER, c10d_functional.all_gather_into_tensor_out.default):
-        return "all_gather"
-    if node.target is REDUCE_SCATTER:
-        return "reduce_scatter"
-    if str(node.target).startswith("_c10d_functional.all_reduce"):
-        return "all_reduce"
-    return None
-
-
 def collective_seconds(node: fx.Node, profile: HardwareProfile, notes: set, default_world_size: int = 2) -> float:
     kind = collective_kind(node)
     # all_reduce's schema names no group size; use the graph's other collectives'.
-    world_size = node.args[-2] if kind != "all_reduce" else default_world_size
+    world_size = world_size_of(node) or default_world_size
     buffer = tensor_bytes(node, notes) if kind == "all_gather" else tensor_bytes(node.args[0], notes)
     return profile.collective_seconds(kind, buffer, world_size)
 
@@ -189,6 +185,37 @@ class Simulation:
         return 1.0 - self.exposed_s / self.communication_s if self.communication_s else 1.0
 
 
+def _last_uses(graph: fx.Graph) -> dict[int, list[fx.Node]]:
+    """Position -> buffers that die there. A buffer lives from its node to the last
+    user of it or of any alias of it (views, waits, tuple items), and a
+    collective's input until the collective's wait."""
+    position = positions(graph)
+    nodes = list(graph.nodes)
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        source = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        root[n] = root.get(source, source) if is_alias(n) and source is not None else n
+    last_use: dict[fx.Node, int] = {}
+
+    def used(buffer: fx.Node, at: fx.Node) -> None:
+        r = root.get(buffer, buffer)
+        last_use[r] = max(last_use.get(r, 0), position[at])
+
+    for n in nodes:
+        for i in n.all_input_nodes:
+            used(i, n)
+        if collective_kind(n) and len(n.users) == 1 and isinstance(n.args[0], fx.Node):
+            used(n.args[0], next(iter(n.users)))
+    frees: dict[int, list[fx.Node]] = {}
+    for n, i in last_use.items():
+        frees.setdefault(i, []).append(n)
+    return frees
+
+
+def _allocates(node: fx.Node) -> bool:
+    return node.op == "call_function" and not is_alias(node)
+
+
 def simulate(graph: fx.Graph, profile: HardwareProfile | str, *, ignore_own_copies: bool = False) -> Simulation:
     """Simulate ``graph`` in its current order (see module docstring).
 
@@ -199,111 +226,40 @@ def simulate(graph: fx.Graph, profile: HardwareProfile | str, *, ignore_own_copi
     profile = get_profile(profile) if isinstance(profile, str) else profile
     notes: set = set()
     nodes = list(graph.nodes)
+    frees = _last_uses(graph)
+    world_size = next((world_size_of(n) for n in nodes if collective_kind(n) in ("all_gather", "reduce_scatter")), 2)
+    sim = Simulation(profile.name, 0.0, 0.0, 0.0, 0.0, 0)
     t_compute = t_link = 0.0
-    compute_total = comm_total = exposed = 0.0
-    pending: dict[fx.Node, CollectiveTiming] = {}
-    timings: list[CollectiveTiming] = []
-    spans: list[tuple[str, float, float]] = []
-
-    # Liveness for the memory peak: a buffer lives from its node to the last user
-    # of it or of any alias of it (views, waits, tuple items), and a collective's
-    # input until the collective's wait.
-    position = {n: i for i, n in enumerate(nodes)}
-    root: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        source = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        root[n] = root.get(source, source) if _is_alias(n) and source is not None else n
-    last_use: dict[fx.Node, int] = {}
-    for n in nodes:
-        for i in n.all_input_nodes:
-            r = root.get(i, i)
-            last_use[r] = max(last_use.get(r, 0), position[n])
-    for n in nodes:
-        if collective_kind(n) and len(n.users) == 1:
-            waiter = next(iter(n.users))
-            src = n.args[0]
-            if isinstance(src, fx.Node):
-                r = root.get(src, src)
-                last_use[r] = max(last_use.get(r, 0), position[waiter])
-    world_size = next((n.args[-2] for n in nodes if collective_kind(n) in ("all_gather", "reduce_scatter")), 2)
-    frees: dict[int, list[fx.Node]] = {}
-    for n, i in last_use.items():
-        frees.setdefault(i, []).append(n)
-    live = peak = 0
-
+    live = 0
+    pending: dict[fx.Node, CollectiveTiming] = {}  # wait node -> its collective
     for i, node in enumerate(nodes):
-        if node.op == "call_function" and not _is_alias(node):
+        if _allocates(node):
             live += tensor_bytes(node, notes)
-            peak = max(peak, live)
+            sim.peak_bytes = max(sim.peak_bytes, live)
         kind = collective_kind(node)
         if kind:
             duration = collective_seconds(node, profile, notes, world_size)
             start = max(t_link, t_compute)
             t_link = start + duration
-            tag = tag_of(node) or {}
-            timing = CollectiveTiming(node.name, kind, tag.get("unit_fqn", "?"), tensor_bytes(node, notes), t_compute, start, t_link)
-            timings.append(timing)
-            comm_total += duration
+            tag = tag_of(node)
+            timing = CollectiveTiming(node.name, kind, tag.unit_fqn if tag else "?", tensor_bytes(node, notes), t_compute, start, t_link)
+            sim.collectives.append(timing)
+            sim.communication_s += duration
             if len(node.users) == 1 and next(iter(node.users)).target is WAIT:
                 pending[next(iter(node.users))] = timing
-        elif node.target is WAIT and node in pending:
+        elif node in pending:
             timing = pending.pop(node)
             timing.wait_s = t_compute
-            if timing.end_s > t_compute:
-                timing.exposed_s = timing.end_s - t_compute
-                exposed += timing.exposed_s
-                t_compute = timing.end_s
-        elif node.op == "call_function":
-            if ignore_own_copies and tag_of(node) is not None:
-                continue
+            timing.exposed_s = max(0.0, timing.end_s - t_compute)
+            sim.exposed_s += timing.exposed_s
+            t_compute = max(t_compute, timing.end_s)
+        elif not (ignore_own_copies and tag_of(node) is not None):
             duration = compute_seconds(node, profile, notes)
             if duration:
-                spans.append((node.name, t_compute, t_compute + duration))
+                sim.compute_spans.append((node.name, t_compute, t_compute + duration))
                 t_compute += duration
-                compute_total += duration
-        for dead in frees.get(i, []):
-            if dead.op == "call_function" and not _is_alias(dead):
-                live -= tensor_bytes(dead, notes)
-
-    step = max(t_compute, t_link)
-    return Simulation(profile.name, step, compute_total, comm_total, exposed, peak, timings, spans, sorted(notes))
-
-
-def _is_alias(node: fx.Node) -> bool:
-    """A node whose result shares its first input's memory: views, waits, tuple items."""
-    target = node.target
-    return (isinstance(target, torch._ops.OpOverload) and target.is_view) or target is WAIT or target is operator.getitem
-
-
-def choose_bucket_cap(graph: fx.Graph, profile: str, candidates_mb=(None, 64, 16, 4, 1)) -> int | None:
-    """``bucket_mode="auto"``: the cap (bytes, ``None`` = one bucket per unit) whose
-    bucketed and reordered copy of ``graph`` simulates fastest; ties go to fewer,
-    larger buckets. Rank-independent: our own copies are left out of the costs."""
-    from fsdp_compile import config
-    from fsdp_compile.passes.bucketing import bucket_collectives
-    from fsdp_compile.passes.reordering import reorder_for_overlap
-
-    best: tuple[float, int | None] | None = None
-    for cap_mb in candidates_mb:
-        cap = None if cap_mb is None else int(cap_mb * 2**20)
-        trial = _copy_graph(graph)
-        bucket_collectives(trial, cap)
-        reorder_for_overlap(
-            trial,
-            prefetch_depth=config.prefetch_depth,
-            reduce_scatter_depth=config.reduce_scatter_depth,
-            max_inflight_bytes=config.max_inflight_bytes,
-        )
-        step = simulate(trial, profile, ignore_own_copies=True).step_s
-        if best is None or step < best[0] * (1 - 1e-9):
-            best = (step, cap)
-    return best[1] if best else None
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        env[node] = new.node_copy(node, lambda n: env[n])
-        env[node].meta = dict(node.meta)
-    return new
+                sim.compute_s += duration
+        live -= sum(tensor_bytes(dead, notes) for dead in frees.get(i, []) if _allocates(dead))
+    sim.step_s = max(t_compute, t_link)
+    sim.notes = sorted(notes)
+    return sim

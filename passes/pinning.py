@@ -29,8 +29,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile._compat import preserve_node_ordering
-from fsdp_compile.passes.graph_utils import is_collective_issue, our_collectives
-from fsdp_compile.runtime.collectives import tag_of
+from fsdp_compile.runtime.vocabulary import is_aten_kernel, is_collective_issue, is_view, our_collectives, positions, tag_of
 
 log = logging.getLogger("fsdp_compile.passes.pinning")
 
@@ -38,10 +37,7 @@ log = logging.getLogger("fsdp_compile.passes.pinning")
 def _is_compute(node: fx.Node) -> bool:
     """A node that becomes a kernel: an aten op on tensors, not a view, not a constant
     (a ``full`` without inputs is folded into its users, so an edge on it is lost)."""
-    if node.op != "call_function" or tag_of(node) is not None:
-        return False
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.is_view:
+    if not is_aten_kernel(node) or is_view(node) or tag_of(node) is not None:
         return False
     return any(isinstance(i.meta.get("val"), torch.Tensor) for i in node.all_input_nodes)
 
@@ -51,7 +47,7 @@ def schedule_constraints(
 ) -> dict[fx.Node, list[fx.Node]]:
     """Dependent node -> nodes it must run after, to keep the current overlap."""
     nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
+    position = positions(graph)
     compute_positions = [i for i, n in enumerate(nodes) if _is_compute(n)]
     deps: dict[fx.Node, list[fx.Node]] = {}
 

@@ -32,15 +32,14 @@ from fsdp_compile._compat import (
     set_joint_custom_pass,
     set_post_grad_custom_post_pass,
 )
-from fsdp_compile.passes.bucketing import bucket_collectives
 from fsdp_compile import debug
-from fsdp_compile.passes.consistency import graph_name, insert_consistency_check
-from fsdp_compile.passes.graph_utils import our_collectives
-from fsdp_compile.passes.pinning import pin_schedule
-from fsdp_compile.passes.reordering import reorder_for_overlap
 from fsdp_compile.passes.checkpointing import save_random_ops_in_checkpointed_regions
+from fsdp_compile.passes.consistency import insert_consistency_check
+from fsdp_compile.passes.pinning import pin_schedule
+from fsdp_compile.passes.report import write_graph_report, write_joint_record
 from fsdp_compile.passes.reshard import tag_reshard_after_forward
-from fsdp_compile.runtime.collectives import tag_of
+from fsdp_compile.passes.schedule import bucket_cap_bytes, schedule_collectives
+from fsdp_compile.runtime.vocabulary import graph_name, our_collectives, units_in
 
 log = logging.getLogger("fsdp_compile.passes")
 
@@ -49,34 +48,12 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     """Our joint-graph passes, in order."""
     _warn_if_recompile(gm)
     _warn_if_graph_break(gm.graph)
-    if _units_in(gm.graph):
+    if units_in(gm.graph):
         save_random_ops_in_checkpointed_regions(gm)  # before our tags: only a checkpoint's are seen
     if config.reshard_pass:
         tag_reshard_after_forward(gm)
-    debug.record_joint(gm)
+    write_joint_record(gm)
     return gm
-
-
-def schedule_collectives(graph: fx.Graph, after_each=lambda stage: None) -> None:
-    """Bucketing then reordering, as ``fsdp_compile.config`` says (the part of
-    :func:`fsdp_post_grad_pass` that decides the schedule; ``after_each`` is
-    called with ``"1_bucketing"`` / ``"2_reordering"`` after each pass that ran)."""
-    if config.bucketing:
-        cap = int(config.bucket_cap_mb * 2**20) if config.bucket_mode == "cap" else None
-        if config.bucket_mode == "auto":
-            from fsdp_compile.passes.cost_model import choose_bucket_cap
-
-            cap = choose_bucket_cap(graph, config.hardware_profile)
-        bucket_collectives(graph, cap)
-        after_each("1_bucketing")
-    if config.reorder:
-        reorder_for_overlap(
-            graph,
-            prefetch_depth=config.prefetch_depth,
-            reduce_scatter_depth=config.reduce_scatter_depth,
-            max_inflight_bytes=config.max_inflight_bytes,
-        )
-        after_each("2_reordering")
 
 
 def fsdp_post_grad_pass(graph: fx.Graph) -> None:
@@ -88,8 +65,9 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     config.validate()
     folder = debug.begin_graph(graph_name(graph).split()[0])
     debug.record_graph(folder, "0_input", graph)
-    schedule_collectives(graph, lambda stage: debug.record_graph(folder, stage, graph))
-    debug.write_report(folder, graph, config.hardware_profile)
+    cap = bucket_cap_bytes(graph) if config.bucketing else None
+    schedule_collectives(graph, cap, lambda stage: debug.record_graph(folder, stage, graph))
+    write_graph_report(folder, graph, config.hardware_profile)
     log.debug("%s: %d collective(s) after our passes", graph_name(graph), len(our_collectives(graph)))
     check = insert_consistency_check(graph) if config.check_collective_consistency else None
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
@@ -97,16 +75,12 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     debug.record_graph(folder, "3_pinned", graph)
 
 
-def _units_in(graph: fx.Graph) -> list[str]:
-    return sorted({(tag_of(n) or {}).get("unit_fqn") for n in graph.nodes if tag_of(n)} - {None})
-
-
 _graph_breaks_seen: dict[str, int] = {}
 
 
 def _warn_if_graph_break(graph: fx.Graph) -> None:
     """Dynamo broke a graph while tracing a frame that runs sharded units: name them."""
-    units = _units_in(graph)
+    units = units_in(graph)
     if not units:
         return  # reasons stay pending until a graph that gathers something compiles
     counts = dynamo_graph_break_counts()
@@ -129,7 +103,7 @@ def _warn_if_recompile(gm: fx.GraphModule) -> None:
     attempt = current_compile_attempt()
     if attempt is None or not attempt[1]:
         return
-    units = _units_in(gm.graph)
+    units = units_in(gm.graph)
     if not units:
         return
     warnings.warn(

@@ -31,126 +31,126 @@ import logging
 
 import torch.fx as fx
 
-from fsdp_compile.passes.graph_utils import (
-    Collective,
-    inputs_after,
-    is_backward_graph,
-    move_before,
-    our_collectives,
-    stable_topological_sort,
-)
-from fsdp_compile.runtime.collectives import tag_of
+from fsdp_compile._compat import stable_topological_sort
+from fsdp_compile.passes.graph_utils import inputs_after, move_before
+from fsdp_compile.runtime.vocabulary import Collective, is_backward_graph, is_call, our_collectives, tag_of
 
 log = logging.getLogger("fsdp_compile.passes.reordering")
 
+# FX nodes compare by their position in the graph (``a < b``: ``a`` comes first),
+# kept current as nodes move.
+
+
 def tail_of(c: Collective) -> list[fx.Node]:
     """The wait and the copy-out chain traced with it (same role), in graph order."""
-    role = c.tag["role"]
     tail, stack = [c.wait], list(c.wait.users)
     while stack:
         node = stack.pop()
         tag = tag_of(node)
-        if node in tail or node.op != "call_function" or tag is None or tag["role"] != role:
+        if node in tail or not is_call(node) or tag is None or tag.role is not c.tag.role:
             continue
         tail.append(node)
         stack.extend(node.users)
-    order = _positions(c.issue.graph)
-    return sorted(tail, key=order.__getitem__)
-
-
-def _positions(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(tail)
 
 
 def sink_tail(c: Collective) -> None:
     """Move the wait and its copy-out to just before the first outside use of the result."""
     tail = tail_of(c)
     members = set(tail)
-    order = _positions(c.issue.graph)
     outside_users = [u for n in tail for u in n.users if u not in members]
     if outside_users:
-        move_before(tail, min(outside_users, key=order.__getitem__))
+        move_before(tail, min(outside_users))
 
 
 def head_of(c: Collective, before: fx.Node) -> list[fx.Node] | None:
     """The issue and every input it needs that sits after ``before``, or ``None`` if one
     of those is real compute (the issue then cannot move above ``before``)."""
-    return inputs_after(c.issue, before, _positions(c.issue.graph))
+    return inputs_after(c.issue, before)
 
 
 def hinted_prefetch_source(all_gathers: list[Collective], k: int, hint_key: str) -> int | None:
     """Index of the all-gather (before ``k``) of the unit that asked to prefetch
-    all-gather ``k`` (tag entry ``hint_key``), or ``None`` without a usable hint."""
-    by = all_gathers[k].tag.get(hint_key)
+    all-gather ``k`` (tag field ``hint_key``), or ``None`` without a usable hint."""
+    by = getattr(all_gathers[k].tag, hint_key)
     if by is None:
         return None
     for j in range(k):
-        if all_gathers[j].tag["unit_fqn"] == by:
+        if all_gathers[j].tag.unit_fqn == by:
             return j
     log.debug(
         "prefetch hint ignored: unit %r asked to prefetch unit %r, but has no all-gather before it in this graph",
         by or "(root)",
-        all_gathers[k].tag["unit_fqn"] or "(root)",
+        all_gathers[k].tag.unit_label,
     )
     return None
 
 
-def prefetch_all_gathers(
-    all_gathers: list[Collective], depth: int, max_inflight_bytes: int | None = None
-) -> None:
+def _prefetch_target(all_gathers: list[Collective], k: int, depth: int, max_inflight_bytes: int | None) -> int | None:
+    """Index of the all-gather whose wait all-gather ``k`` goes before (``-1``: the top of
+    the graph), or ``None`` if it stays where it is."""
+    if depth < 1:
+        return None
+    j = k - depth
+    if max_inflight_bytes is not None:
+        gathered = [c.input_bytes * c.world_size for c in all_gathers]
+        while j < k and sum(gathered[max(j, 0) : k + 1]) > max_inflight_bytes:
+            j += 1
+        if j == k:
+            log.debug(
+                "all-gather of unit %r not prefetched: max_inflight_bytes=%d would be exceeded",
+                all_gathers[k].tag.unit_label,
+                max_inflight_bytes,
+            )
+            return None
+    return j
+
+
+def prefetch_all_gathers(all_gathers: list[Collective], depth: int, max_inflight_bytes: int | None = None) -> None:
     """Issue all-gather ``k`` before the wait of all-gather ``k - depth``, or of the
     hinting unit's all-gather (see module docstring)."""
     if not all_gathers:
         return
     graph = all_gathers[0].issue.graph
     hint_key = "backward_prefetched_by" if is_backward_graph(graph) else "forward_prefetched_by"
-    anchor = next(n for n in graph.nodes if n.op != "placeholder")
-    gathered = [c.input_bytes * c.world_size for c in all_gathers]
+    top = next(n for n in graph.nodes if n.op != "placeholder")
     for k, c in enumerate(all_gathers):
-        unit = c.tag["unit_fqn"] or "(root)"
         hinted = hinted_prefetch_source(all_gathers, k, hint_key)
         if hinted is not None:
             # All-gathers between the two go first (issue order is kept: they are needed sooner).
             target = all_gathers[hinted].wait
-            order = _positions(graph)
             for between in all_gathers[hinted + 1 : k + 1]:
-                if order[between.issue] > order[target]:
+                if between.issue > target:
                     move_before(head_of(between, target) or [], target)
-            log.debug("all-gather of unit %r issued before the wait of unit %r (prefetch hint)", unit, all_gathers[hinted].tag["unit_fqn"] or "(root)")
+            log.debug(
+                "all-gather of unit %r issued before the wait of unit %r (prefetch hint)",
+                c.tag.unit_label,
+                all_gathers[hinted].tag.unit_label,
+            )
             continue
-        if depth < 1:
+        j = _prefetch_target(all_gathers, k, depth, max_inflight_bytes)
+        if j is None:
             continue
-        j = k - depth
-        if max_inflight_bytes is not None:
-            while j < k and sum(gathered[max(j, 0) : k + 1]) > max_inflight_bytes:
-                j += 1
-            if j == k:
-                log.debug("all-gather of unit %r not prefetched: max_inflight_bytes=%d would be exceeded", unit, max_inflight_bytes)
-                continue  # no room: stays where it is
-        target = anchor if j < 0 else all_gathers[j].wait
+        target = top if j < 0 else all_gathers[j].wait
         head = head_of(c, target)
         if head is None:
-            log.debug("all-gather of unit %r not prefetched: its input needs compute that runs later", unit)
+            log.debug("all-gather of unit %r not prefetched: its input needs compute that runs later", c.tag.unit_label)
             continue
         move_before(head, target)
-        where = "the top of the graph" if j < 0 else f"the wait of unit {all_gathers[j].tag['unit_fqn'] or '(root)'!r}"
-        log.debug("all-gather of unit %r issued before %s", unit, where)
+        where = "the top of the graph" if j < 0 else f"the wait of unit {all_gathers[j].tag.unit_label!r}"
+        log.debug("all-gather of unit %r issued before %s", c.tag.unit_label, where)
 
 
 def bound_reduce_scatters(reduce_scatters: list[Collective], depth: int) -> None:
     """Wait for reduce-scatter ``k`` before reduce-scatter ``k + depth`` is issued."""
-    for k, c in enumerate(reduce_scatters):
-        if k + depth >= len(reduce_scatters):
-            break
-        later_issue = reduce_scatters[k + depth].issue
-        order = _positions(c.issue.graph)
+    for c, later in zip(reduce_scatters, reduce_scatters[depth:]):
         tail = tail_of(c)
-        if order[tail[0]] > order[later_issue]:
-            move_before(tail, later_issue)
+        if tail[0] > later.issue:
+            move_before(tail, later.issue)
             log.debug(
                 "reduce-scatter of unit %r waited before reduce-scatter of unit %r is issued (depth %d)",
-                c.tag["unit_fqn"] or "(root)",
-                reduce_scatters[k + depth].tag["unit_fqn"] or "(root)",
+                c.tag.unit_label,
+                later.tag.unit_label,
                 depth,
             )
 

@@ -1,17 +1,18 @@
-"""Human-readable views of a scheduled graph: a collectives table and timelines.
-
-Pure functions of a graph and its :class:`~fsdp_compile.passes.cost_model.Simulation`.
+"""Human-readable views of a scheduled graph: a collectives table and timelines
+(pure functions of a graph and its :class:`~fsdp_compile.passes.cost_model.Simulation`),
+and writing them into ``fsdp_compile.debug``'s dump folders.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch.fx as fx
 
-from fsdp_compile.passes.cost_model import Simulation, collective_kind
-from fsdp_compile.passes.graph_utils import WAIT
-from fsdp_compile.runtime.collectives import tag_of
+from fsdp_compile import debug
+from fsdp_compile.passes.cost_model import Simulation, simulate
+from fsdp_compile.runtime.vocabulary import WAIT, collective_kind, is_call, is_view, positions, tag_of
 
 
 def _compute_between(graph: fx.Graph, issue: fx.Node, wait: fx.Node | None) -> list[str]:
@@ -22,17 +23,15 @@ def _compute_between(graph: fx.Graph, issue: fx.Node, wait: fx.Node | None) -> l
             continue
         if node is wait:
             break
-        if inside and node.op == "call_function" and tag_of(node) is None and collective_kind(node) is None:
-            target = node.target
-            if getattr(target, "is_view", False) or target is WAIT:
-                continue
-            names.append(node.name)
+        if inside and is_call(node) and tag_of(node) is None and collective_kind(node) is None:
+            if not is_view(node) and node.target is not WAIT:
+                names.append(node.name)
     return names
 
 
 def collectives_table(graph: fx.Graph, sim: Simulation) -> str:
     """Markdown: one row per collective in issue order."""
-    position = {n: i for i, n in enumerate(graph.nodes)}
+    position = positions(graph)
     by_name = {n.name: n for n in graph.nodes}
     rows = [
         f"# Collectives ({sim.profile}, modelled)",
@@ -44,27 +43,30 @@ def collectives_table(graph: fx.Graph, sim: Simulation) -> str:
         "| # | kind | unit | parameters | dtype | bytes | bucket | issue @ | wait @ | compute between | est. time (us) | exposed (us) | overlap |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for i, t in enumerate(sim.collectives):
-        node = by_name[t.name]
-        tag = tag_of(node) or {}
-        wait = next((u for u in node.users if u.target is WAIT), None)
-        between = _compute_between(graph, node, wait)
-        params = tag.get("param_fqn", "(not ours)")
-        if len(params) > 60:
-            params = params[:57] + "..."
-        duration = t.end_s - t.start_s
-        overlap = 1 - t.exposed_s / duration if duration else 1.0
-        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        dtype = str(val.dtype).replace("torch.", "") if val is not None else "?"
-        rows.append(
-            f"| {i} | {t.kind} | {tag.get('unit_fqn', '-') or '(root)'} | {params} | {dtype} | {t.bytes} "
-            f"| {tag.get('bucket_size', 1)} | {position[node]} | {position[wait] if wait else '-'} "
-            f"| {len(between)}{' (' + ', '.join(between[:3]) + (', ...' if len(between) > 3 else '') + ')' if between else ''} "
-            f"| {duration * 1e6:.1f} | {t.exposed_s * 1e6:.1f} | {overlap:.0%} |"
-        )
+    rows += [_collective_row(i, t, by_name[t.name], graph, position) for i, t in enumerate(sim.collectives)]
     if sim.notes:
         rows += ["", *(f"Note: {n}." for n in sim.notes)]
     return "\n".join(rows) + "\n"
+
+
+def _collective_row(i: int, t, node: fx.Node, graph: fx.Graph, position: dict) -> str:
+    tag = tag_of(node)
+    wait = next((u for u in node.users if u.target is WAIT), None)
+    between = _compute_between(graph, node, wait)
+    params = tag.param_fqn if tag else "(not ours)"
+    if len(params) > 60:
+        params = params[:57] + "..."
+    duration = t.end_s - t.start_s
+    overlap = 1 - t.exposed_s / duration if duration else 1.0
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    dtype = str(val.dtype).replace("torch.", "") if val is not None else "?"
+    shown = ", ".join(between[:3]) + (", ..." if len(between) > 3 else "")
+    return (
+        f"| {i} | {t.kind} | {tag.unit_label if tag else '-'} | {params} | {dtype} | {t.bytes} "
+        f"| {tag.bucket_size if tag else 1} | {position[node]} | {position[wait] if wait else '-'} "
+        f"| {len(between)}{f' ({shown})' if between else ''} "
+        f"| {duration * 1e6:.1f} | {t.exposed_s * 1e6:.1f} | {overlap:.0%} |"
+    )
 
 
 def timeline_chrome_trace(sim: Simulation) -> str:
@@ -142,3 +144,33 @@ def timeline_svg(sim: Simulation, width: int = 1200) -> str:
         "</svg>",
     ]
     return "\n".join(parts) + "\n"
+
+
+# ------------------------------------------------------------ dump folders
+
+
+def write_joint_record(gm: fx.GraphModule) -> None:
+    """``joint_<k>.md``: the reshard pass's decision for each all-gather of one joint graph."""
+    path = debug.next_joint_file()
+    if path is None:
+        return
+    lines = ["| node | role | unit | parameter | recompute |", "|---|---|---|---|---|"]
+    for node in gm.graph.nodes:
+        tag = tag_of(node)
+        if tag is None or collective_kind(node) != "all_gather":
+            continue
+        lines.append(
+            f"| {node.name} | {tag.role.value} | {tag.unit_label} | {tag.param_fqn} "
+            f"| {node.meta.get('recompute', 'partitioner default (save)')} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_graph_report(folder: Path | None, graph: fx.Graph, profile: str) -> None:
+    """``collectives.md``, ``timeline.json`` and ``timeline.svg`` for the final order."""
+    if folder is None:
+        return
+    sim = simulate(graph, profile)
+    (folder / "collectives.md").write_text(collectives_table(graph, sim))
+    (folder / "timeline.json").write_text(timeline_chrome_trace(sim))
+    (folder / "timeline.svg").write_text(timeline_svg(sim))

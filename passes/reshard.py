@@ -10,11 +10,10 @@ re-run the chain (all-gather, wait, views) in the backward graph instead.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from fsdp_compile._compat import CheckpointPolicy, is_backward_node
-from fsdp_compile.runtime.collectives import tag_of
+from fsdp_compile.runtime.vocabulary import Role, is_call, is_view, tag_of
 
 #: Recompute-region id for our chains; any value works as long as every node
 #: of one chain shares it (the partitioner saves a value crossing two ids).
@@ -31,10 +30,10 @@ def tag_reshard_after_forward(gm: fx.GraphModule) -> fx.GraphModule:
     partitioner's default (the gathered tensor is saved, not re-gathered).
     """
     for node in gm.graph.nodes:
-        if node.op != "call_function" or is_backward_node(node):
+        if not is_call(node) or is_backward_node(node):
             continue
         tag = tag_of(node)
-        if tag is None or tag["role"] != "unshard" or not tag["reshard_after_forward"]:
+        if tag is None or tag.role is not Role.UNSHARD or not tag.reshard_after_forward:
             continue
         for chain_node in [node, *_view_users(node)]:
             chain_node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
@@ -52,18 +51,7 @@ def _view_users(node: fx.Node) -> list[fx.Node]:
     found, stack = [], [node]
     while stack:
         for user in stack.pop().users:
-            if user.op == "call_function" and not is_backward_node(user) and _is_view(user):
+            if not is_backward_node(user) and is_view(user):
                 found.append(user)
                 stack.append(user)
     return found
-
-
-def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    return target.is_view or target in _VIEW_LIKE_COPIES
-
-
-# Ops that are views in effect although not declared aliasing in their schema.
-_VIEW_LIKE_COPIES = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}

@@ -4,9 +4,10 @@ Eager and compiled runs execute exactly these functions. Each one issues a
 functional collective (``torch.ops._c10d_functional.*``) followed directly by
 its ``wait_tensor``; moving the wait later is the passes' job, not the runtime's.
 
-Every op is traced inside :func:`fsdp_compile._compat.fx_annotate` with a
-:func:`collective_annotation` so that FX passes can tell our collectives from any
-other collective in the same graph (a user's all-reduce, tensor parallelism).
+Every op is traced inside :func:`fsdp_compile._compat.fx_annotate` with the
+parameter's :class:`~fsdp_compile.runtime.vocabulary.CollectiveTag`, so that FX
+passes can tell our collectives from any other collective in the same graph
+(a user's all-reduce, tensor parallelism).
 """
 
 from __future__ import annotations
@@ -17,56 +18,7 @@ import torch
 
 from fsdp_compile._compat import c10d_functional, fx_annotate
 from fsdp_compile.runtime.bucket_copies import pad_dim0
-
-#: Key under ``node.meta["custom"]`` holding a :func:`collective_annotation` entry.
-ANNOTATION_KEY = "fsdp_compile"
-
-
-def collective_annotation(
-    role: str,
-    param_fqn: str,
-    unit_fqn: str,
-    reshard_after_forward: bool,
-    forward_prefetched_by: str | None = None,
-    backward_prefetched_by: str | None = None,
-) -> dict:
-    """The ``node.meta["custom"]`` entry our collectives are traced under.
-
-    ``role`` is ``"unshard"`` for the forward all-gather chain (pad, gather,
-    wait, narrow), ``"reduce_grad"`` for the backward gradient reduction and
-    ``"replicate_grad"`` for HSDP's all-reduce over the replicate dimension
-    that follows it (left alone by the bucketing and reordering passes).
-    ``forward_prefetched_by`` / ``backward_prefetched_by`` name the unit whose
-    forward / backward should issue this all-gather
-    (``FSDPModule.set_modules_to_forward_prefetch`` and ``_backward_prefetch``
-    hints, honoured by the reordering pass). A plain dict of constants, so
-    Dynamo can trace building it.
-    """
-    return {
-        ANNOTATION_KEY: {
-            "role": role,
-            "param_fqn": param_fqn,
-            "unit_fqn": unit_fqn,
-            "reshard_after_forward": reshard_after_forward,
-            "forward_prefetched_by": forward_prefetched_by,
-            "backward_prefetched_by": backward_prefetched_by,
-        }
-    }
-
-
-def _as_role(annotation: dict, role: str) -> dict:
-    """The same annotation with another role (the backward of an unshard is a reduce)."""
-    entry = dict(annotation[ANNOTATION_KEY])
-    entry["role"] = role
-    return {ANNOTATION_KEY: entry}
-
-
-def tag_of(node: torch.fx.Node) -> dict | None:
-    """The :func:`collective_annotation` entry an FX node was traced under, if any."""
-    custom = node.meta.get("custom")
-    if not isinstance(custom, dict):
-        return None
-    return custom.get(ANNOTATION_KEY)
+from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
 
 @dataclass(frozen=True)
@@ -115,6 +67,35 @@ class ShardLayout:
         return n
 
 
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """How one parameter is communicated, built once per parameter (and again when its
+    unit's options change) by :class:`~fsdp_compile.FSDPParam`.
+
+    Attributes:
+        layout: the dim-0 split over the shard group; ``None``: the parameter is
+            replicated there (a 0-dim parameter, or ``replicate``) and its gradient
+            is all-reduced instead of reduce-scattered.
+        tag: what every traced node of these collectives carries (role ``UNSHARD``;
+            the backward's nodes carry ``REDUCE_GRAD`` / ``REPLICATE_GRAD``).
+        reduce_group_names: groups the gradient is all-reduced over after the
+            reduce-scatter (HSDP's replicate dimension), or instead of it (replicated).
+        reduce_op: ``"avg"`` over each group (FSDP2's default) or ``"sum"``.
+        grad_scale: multiplies the gradient before the reduction
+            (``set_gradient_divide_factor``).
+        param_dtype / reduce_dtype: the mixed-precision policy's (``None``: keep the
+            shard's / the gradient's dtype).
+    """
+
+    layout: ShardLayout | None
+    tag: CollectiveTag
+    reduce_group_names: tuple[str, ...] = ()
+    reduce_op: str = "avg"
+    grad_scale: float | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` rows (no copy when none are needed)."""
     if rows == t.shape[0]:
@@ -122,157 +103,97 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return pad_dim0(t, rows)
 
 
-def _remember_gradient_mode(ctx, meta, local, pending, accumulator) -> None:
-    """What backward needs: the shard's dtype, whether to reduce, the pending sum."""
-    ctx.meta, ctx.shard_dtype = meta, local.dtype
-    ctx.sync, ctx.has_pending = accumulator is None, pending is not None
-    if pending is not None:
-        ctx.save_for_backward(pending)
+def _all_gather(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    padded = _pad_rows(local, layout.rows_per_rank)
+    gathered = c10d_functional.all_gather_into_tensor(padded, layout.world_size, layout.group_name)
+    gathered = c10d_functional.wait_tensor(gathered)
+    if gathered.shape[0] != layout.dim0:
+        gathered = gathered.narrow(0, 0, layout.dim0)
+    return gathered
 
 
-def _gradient_to_reduce(ctx, grad, reduce_dtype, grad_scale):
+def _reduce_scatter(grad_full: torch.Tensor, layout: ShardLayout, reduce_op: str) -> torch.Tensor:
+    padded = _pad_rows(grad_full, layout.rows_per_rank * layout.world_size)
+    shard = c10d_functional.reduce_scatter_tensor(padded, reduce_op, layout.world_size, layout.group_name)
+    shard = c10d_functional.wait_tensor(shard)
+    if shard.shape[0] != layout.local_rows:
+        shard = shard.narrow(0, 0, layout.local_rows)
+    return shard
+
+
+class _GatherWithGradSync(torch.autograd.Function):
+    """Forward: the full tensor in ``param_dtype`` (cast first, so a bf16 policy
+    gathers half the bytes): the all-gather of every rank's dim-0 shard, or the
+    replicated tensor itself.
+
+    Backward, gradient sync on: the gradient (plus ``pending``, the unsharded
+    gradient accumulated by earlier no-sync micro-batches), in ``reduce_dtype``
+    and pre-scaled, is reduce-scattered back into the local shard, then
+    all-reduced over each of ``reduce_group_names``, then cast to the shard's
+    dtype. Gradient sync off: no communication; the full gradient goes to
+    ``accumulator`` (a leaf whose ``.grad`` autograd accumulates) and the shard
+    gets none.
+    """
+
+    @staticmethod
+    def forward(ctx, local, pending, accumulator, spec: CollectiveSpec):
+        ctx.spec, ctx.shard_dtype = spec, local.dtype
+        ctx.sync, ctx.has_pending = accumulator is None, pending is not None
+        if pending is not None:
+            ctx.save_for_backward(pending)
+        cast = spec.param_dtype is not None and spec.param_dtype != local.dtype
+        if cast:
+            local = local.to(spec.param_dtype)
+        if spec.layout is not None:
+            return _all_gather(local, spec.layout)
+        return local if cast else local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        if not ctx.sync:
+            return None, None, grad.to(ctx.shard_dtype), None
+        reduce_meta = spec.tag.as_meta(Role.REDUCE_GRAD)
+        with fx_annotate(reduce_meta):
+            grad = _gradient_to_reduce(ctx, grad, spec)
+            if spec.layout is not None:
+                grad = _reduce_scatter(grad, spec.layout, spec.reduce_op)
+        all_reduce_role = Role.REDUCE_GRAD if spec.layout is None else Role.REPLICATE_GRAD
+        with fx_annotate(spec.tag.as_meta(all_reduce_role)):
+            for group_name in spec.reduce_group_names:
+                grad = c10d_functional.wait_tensor(c10d_functional.all_reduce(grad.contiguous(), spec.reduce_op, group_name))
+        with fx_annotate(reduce_meta):
+            if grad.dtype != ctx.shard_dtype:
+                grad = grad.to(ctx.shard_dtype)
+        return grad, None, None, None
+
+
+def _gradient_to_reduce(ctx, grad: torch.Tensor, spec: CollectiveSpec) -> torch.Tensor:
     """The gradient as it enters the reduction: plus the gradient accumulated without
     sync, in ``reduce_dtype``, pre-scaled by ``grad_scale``."""
     if ctx.has_pending:
         (pending,) = ctx.saved_tensors
         grad = grad.to(pending.dtype) + pending
-    if reduce_dtype is not None and reduce_dtype != grad.dtype:
-        grad = grad.to(reduce_dtype)
-    if grad_scale is not None:
-        grad = grad * grad_scale
+    if spec.reduce_dtype is not None and spec.reduce_dtype != grad.dtype:
+        grad = grad.to(spec.reduce_dtype)
+    if spec.grad_scale is not None:
+        grad = grad * spec.grad_scale
     return grad
 
 
-class _AllGatherShard(torch.autograd.Function):
-    """Forward: all-gather dim-0 shards into the full tensor (cast to ``param_dtype``
-    first, so a bf16 policy gathers half the bytes).
-
-    Backward, gradient sync on: reduce-scatter the full gradient (plus
-    ``pending``, the unsharded gradient accumulated by earlier no-sync
-    micro-batches) back into the local shard with ``reduce_op`` (``"avg"`` over
-    the data-parallel group, as FSDP2), in ``reduce_dtype``, then cast to the
-    shard's dtype. Gradient sync off: no communication; the full gradient goes
-    to ``accumulator`` (a leaf whose ``.grad`` autograd accumulates) and the
-    shard gets none.
-    """
-
-    @staticmethod
-    def forward(ctx, local, pending, accumulator, meta):
-        dim0, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, param_dtype, _, _, _ = meta
-        _remember_gradient_mode(ctx, meta, local, pending, accumulator)
-        if param_dtype is not None and param_dtype != local.dtype:
-            local = local.to(param_dtype)
-        padded = _pad_rows(local, rows_per_rank)
-        gathered = c10d_functional.all_gather_into_tensor(padded, world_size, group_name)
-        gathered = c10d_functional.wait_tensor(gathered)
-        if gathered.shape[0] != dim0:
-            gathered = gathered.narrow(0, 0, dim0)
-        return gathered
-
-    @staticmethod
-    def backward(ctx, grad_full):
-        _, rows_per_rank, local_rows, world_size, group_name, reduce_op, annotation, _, reduce_dtype, grad_scale, replicate_group = ctx.meta
-        if not ctx.sync:
-            return None, None, grad_full.to(ctx.shard_dtype), None
-        with fx_annotate(_as_role(annotation, "reduce_grad")):
-            grad_full = _gradient_to_reduce(ctx, grad_full, reduce_dtype, grad_scale)
-            padded = _pad_rows(grad_full, rows_per_rank * world_size)
-            shard = c10d_functional.reduce_scatter_tensor(padded, reduce_op, world_size, group_name)
-            shard = c10d_functional.wait_tensor(shard)
-            if shard.shape[0] != local_rows:
-                shard = shard.narrow(0, 0, local_rows)
-        if replicate_group is not None:
-            with fx_annotate(_as_role(annotation, "replicate_grad")):
-                shard = c10d_functional.wait_tensor(c10d_functional.all_reduce(shard.contiguous(), reduce_op, replicate_group))
-        with fx_annotate(_as_role(annotation, "reduce_grad")):
-            if shard.dtype != ctx.shard_dtype:
-                shard = shard.to(ctx.shard_dtype)
-        return shard, None, None, None
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    """Forward: identity (the tensor is replicated), cast to ``param_dtype``.
-    Backward: all-reduce the gradient (plus ``pending``) over each of the
-    groups in turn (HSDP: shard group, then replicate group), or with gradient sync
-    off, hand it to ``accumulator`` (see :class:`_AllGatherShard`)."""
-
-    @staticmethod
-    def forward(ctx, local, pending, accumulator, meta):
-        group_names, reduce_op, annotation, param_dtype, _, _ = meta
-        _remember_gradient_mode(ctx, meta, local, pending, accumulator)
-        if param_dtype is not None and param_dtype != local.dtype:
-            return local.to(param_dtype)
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group_names, reduce_op, annotation, _, reduce_dtype, grad_scale = ctx.meta
-        if not ctx.sync:
-            return None, None, grad.to(ctx.shard_dtype), None
-        with fx_annotate(_as_role(annotation, "reduce_grad")):
-            out = _gradient_to_reduce(ctx, grad, reduce_dtype, grad_scale).contiguous()
-            for group_name in group_names:
-                out = c10d_functional.wait_tensor(c10d_functional.all_reduce(out, reduce_op, group_name))
-            if out.dtype != ctx.shard_dtype:
-                out = out.to(ctx.shard_dtype)
-        return out, None, None, None
-
-
-def all_gather_shard(
+def gather_with_grad_sync(
     local: torch.Tensor,
-    layout: ShardLayout,
-    annotation: dict,
-    reduce_op: str = "avg",
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    spec: CollectiveSpec,
     pending: torch.Tensor | None = None,
     accumulator: torch.Tensor | None = None,
-    grad_scale: float | None = None,
-    replicate_group_name: str | None = None,
 ) -> torch.Tensor:
-    """The full tensor from every rank's dim-0 shard; its gradient is reduce-scattered.
+    """The full tensor from this rank's shard ``local`` (unpadded,
+    ``spec.layout.local_shape``; the whole tensor when ``spec.layout`` is ``None``);
+    its gradient is reduced back (see :class:`_GatherWithGradSync`).
 
-    ``local`` is this rank's unpadded shard (``layout.local_shape``);
-    ``annotation`` comes from :func:`collective_annotation`; the dtypes are a
-    mixed-precision policy's (``None``: keep the shard's / the gradient's).
     Gradient accumulation: with ``accumulator`` the gradient is not reduced but
     accumulated into ``accumulator.grad``; ``pending`` (that accumulated
-    gradient) is added before the next reduction. ``grad_scale`` multiplies the
-    gradient before the reduction (``set_gradient_divide_factor``).
-    HSDP: ``replicate_group_name`` names the group the reduce-scattered shard
-    is then all-reduced over.
+    gradient) is added before the next reduction.
     """
-    meta = (
-        layout.dim0,
-        layout.rows_per_rank,
-        layout.local_rows,
-        layout.world_size,
-        layout.group_name,
-        reduce_op,
-        annotation,
-        param_dtype,
-        reduce_dtype,
-        grad_scale,
-        replicate_group_name,
-    )
-    with fx_annotate(annotation):
-        return _AllGatherShard.apply(local, pending, accumulator, meta)
-
-
-def replicate_with_grad_sync(
-    local: torch.Tensor,
-    group_names: tuple[str, ...],
-    annotation: dict,
-    reduce_op: str = "avg",
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    pending: torch.Tensor | None = None,
-    accumulator: torch.Tensor | None = None,
-    grad_scale: float | None = None,
-) -> torch.Tensor:
-    """A replicated tensor whose gradient is all-reduced over each of ``group_names``
-    (0-dim parameters, HSDP's replicate dimension, ``replicate``); the other
-    arguments are :func:`all_gather_shard`'s."""
-    meta = (tuple(group_names), reduce_op, annotation, param_dtype, reduce_dtype, grad_scale)
-    with fx_annotate(annotation):
-        return _AllReduceGrad.apply(local, pending, accumulator, meta)
+    with fx_annotate(spec.tag.as_meta()):
+        return _GatherWithGradSync.apply(local, pending, accumulator, spec)

@@ -13,11 +13,11 @@ import json
 
 import torch
 
+from fsdp_compile import config
 from fsdp_compile._compat import mark_side_effectful
 from fsdp_compile.runtime.process_groups import all_gather_json, is_real_multi_rank, side_group
 
 _verified: set[str] = set()
-timeout_s: float = 120.0
 
 
 def _describe(entry) -> str:
@@ -40,7 +40,7 @@ def verify_across_ranks(graph_name: str, fingerprint: list) -> None:
     """Raise on every rank if any two ranks' fingerprints differ."""
     import torch.distributed as dist
 
-    everyone = all_gather_json(fingerprint, side_group(timeout_s))
+    everyone = all_gather_json(fingerprint, side_group(config.consistency_timeout_s))
     rank = dist.get_rank()
     for other, theirs in enumerate(everyone):
         index = first_difference(fingerprint, theirs)

@@ -13,8 +13,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile.passes.bucketing import PAD_DIM0
-from fsdp_compile.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, aten, emit
-from fsdp_compile.runtime import ShardLayout, collective_annotation
+from fsdp_compile.passes.graph_utils import emit
+from fsdp_compile.runtime.vocabulary import ALL_GATHER, REDUCE_SCATTER, WAIT, aten
+from fsdp_compile.runtime import CollectiveTag, Role, ShardLayout
 
 DIM, BATCH = 6, 3
 
@@ -45,7 +46,7 @@ def build_unit_graph(
         return node
 
     def unshard(shard: fx.Node, layout: ShardLayout, unit: str, name: str) -> fx.Node:
-        tag = collective_annotation("unshard", f"{unit}.{name}", unit, True, hints.get(unit))
+        tag = CollectiveTag(Role.UNSHARD, f"{unit}.{name}", unit, True, hints.get(unit))
         padded = shard
         if layout.local_rows != layout.rows_per_rank:
             padded = emit(graph, PAD_DIM0, (shard, layout.rows_per_rank), tag=tag)
@@ -56,7 +57,7 @@ def build_unit_graph(
         return waited
 
     def reduce(grad: fx.Node, layout: ShardLayout, unit: str, name: str) -> fx.Node:
-        tag = collective_annotation("reduce_grad", f"{unit}.{name}", unit, True)
+        tag = CollectiveTag(Role.REDUCE_GRAD, f"{unit}.{name}", unit, True)
         full_rows = layout.rows_per_rank * world_size
         if full_rows != layout.dim0:
             grad = emit(graph, PAD_DIM0, (grad, full_rows), tag=tag)

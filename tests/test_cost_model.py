@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fsdp_compile.passes.bucketing import bucket_collectives
-from fsdp_compile.passes.cost_model import PROFILES, choose_bucket_cap, get_profile, simulate
+from fsdp_compile.passes.cost_model import PROFILES, get_profile, simulate
+from fsdp_compile.passes.schedule import choose_bucket_cap
 from fsdp_compile.passes.reordering import reorder_for_overlap
 from tests.pass_graphs import build_unit_graph
 
@@ -60,7 +61,8 @@ def test_a_view_keeps_its_buffer_alive():
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fsdp_compile.passes.graph_utils import aten, emit
+    from fsdp_compile.passes.graph_utils import emit
+    from fsdp_compile.runtime.vocabulary import aten
 
     graph, mode = fx.Graph(), FakeTensorMode()
     x = graph.placeholder("x")

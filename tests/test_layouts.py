@@ -74,14 +74,14 @@ def test_cpu_offload_placement_and_parity(pool2):
 def test_shard_placement_copies_only_across_devices():
     """The offload path with a compute device other than the CPU (``meta`` stands in for
     an accelerator here): shards are stored on the CPU and copied for compute."""
-    from fsdp_compile._fsdp_state import ShardPlacement
+    from fsdp_compile._fsdp_state import ShardDevices
 
-    offload = ShardPlacement(torch.device("meta"), offload_to_cpu=True)
+    offload = ShardDevices(torch.device("meta"), offload_to_cpu=True)
     stored = offload.to_storage(torch.ones(3))
     assert stored.device.type == "cpu"
     assert offload.to_compute(stored).device.type == "meta"
-    same = ShardPlacement(torch.device("cpu"), offload_to_cpu=True)
+    same = ShardDevices(torch.device("cpu"), offload_to_cpu=True)
     assert same.to_compute(stored) is stored
-    kept = ShardPlacement(torch.device("cpu"), offload_to_cpu=False)
+    kept = ShardDevices(torch.device("cpu"), offload_to_cpu=False)
     t = torch.ones(2)
     assert kept.to_storage(t) is t and kept.to_compute(t) is t

@@ -8,7 +8,7 @@ import torch.fx as fx
 from fsdp_compile._compat import CheckpointPolicy, c10d_functional, get_joint_custom_pass, set_joint_custom_pass
 from fsdp_compile.passes import install_passes, tag_reshard_after_forward
 from fsdp_compile.passes.registration import _ChainedJointPass
-from fsdp_compile.runtime import collective_annotation
+from fsdp_compile.runtime import CollectiveTag, Role
 
 aten = torch.ops.aten
 
@@ -22,7 +22,7 @@ def _unshard_then_matmul(reshard: bool, annotate: bool = True, backward: bool = 
     t = g.call_function(aten.t.default, (wait,))
     mm = g.call_function(aten.mm.default, (x, t))
     g.output(mm)
-    meta = collective_annotation("unshard", "w", "layers.0", reshard)
+    meta = CollectiveTag(Role.UNSHARD, "w", "layers.0", reshard).as_meta()
     for node in (ag, wait):
         if annotate:
             node.meta["custom"] = meta
@@ -100,7 +100,7 @@ def test_registration_chains_with_a_user_pass_and_is_idempotent():
 import pytest  # noqa: E402
 
 from fsdp_compile.passes.bucketing import bucket_collectives, plan_buckets  # noqa: E402
-from fsdp_compile.passes.graph_utils import our_collectives  # noqa: E402
+from fsdp_compile.runtime.vocabulary import our_collectives  # noqa: E402
 from fsdp_compile.passes.pinning import schedule_constraints  # noqa: E402
 from fsdp_compile.passes.reordering import reorder_for_overlap, tail_of  # noqa: E402
 from tests import pass_jobs  # noqa: E402
@@ -126,7 +126,7 @@ def test_bucketing_one_collective_per_unit_and_kind(rank):
     gm.graph.lint()
     collectives = our_collectives(gm.graph)
     assert [c.kind for c in collectives] == ["all_gather"] * N_UNITS + ["reduce_scatter"] * N_UNITS
-    assert [c.tag["unit_fqn"] for c in collectives] == [f"layers.{u}" for u in range(N_UNITS)] + [
+    assert [c.tag.unit_fqn for c in collectives] == [f"layers.{u}" for u in range(N_UNITS)] + [
         f"layers.{u}" for u in reversed(range(N_UNITS))
     ]
 

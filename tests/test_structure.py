@@ -157,7 +157,7 @@ def test_llama_compiles_to_one_graph(fake_pg):
     assert saved_all_gathers(fw) != []  # the root unit (embeddings, norm) is kept: reshard=False
     from fsdp_compile.runtime import tag_of
 
-    assert {tag_of(node)["unit_fqn"] for node in saved_all_gathers(fw)} == {""}  # only the root's
+    assert {tag_of(node).unit_fqn for node in saved_all_gathers(fw)} == {""}  # only the root's
 
 
 def test_unit_and_param_names_follow_the_root(fake_pg):
@@ -213,8 +213,8 @@ def test_eager_forward_outside_compile(fake_pg):
     # The per-forward cache of gathered tensors is empty again afterwards.
     from fsdp_compile._fsdp_state import forward_context
 
-    assert forward_context.depth == 0 and forward_context.gathered_storage == {}
-    assert all(p._unsharded is None for u in units for p in u._fsdp_unit.params)
+    assert forward_context.depth == 0 and list(forward_context.gathered_params()) == []
+    assert all(p.gathered is None for u in units for p in u._fsdp_unit.params)
 
 
 class _CollectiveLog(torch.utils._python_dispatch.TorchDispatchMode):

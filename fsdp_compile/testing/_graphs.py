@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import c10d_functional
+from fsdp_compile._compat import aot_autograd_backend, c10d_functional
+from fsdp_compile.runtime.vocabulary import WAIT, is_view
 
 
 class GraphCapture:
@@ -23,8 +23,6 @@ class GraphCapture:
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
         self.frame_count += 1
 
@@ -36,10 +34,7 @@ class GraphCapture:
             self.backward_graphs.append(g)
             return make_boxed_func(g)
 
-        partition_fn = min_cut_rematerialization_partition if self.partitioner == "min_cut" else default_partition
-        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, partition_fn=partition_fn)(
-            gm, example_inputs
-        )
+        return aot_autograd_backend(forward_compiler, backward_compiler, self.partitioner)(gm, example_inputs)
 
 
 def collective_nodes(gm: fx.GraphModule, op) -> list[fx.Node]:
@@ -57,9 +52,7 @@ def saved_all_gathers(forward: fx.GraphModule) -> list[fx.Node]:
             node = stack.pop()
             if node in origin:
                 continue
-            is_wait = node.target is c10d_functional.wait_tensor.default
-            is_view = isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-            if is_wait or is_view:
+            if node.target is WAIT or is_view(node):
                 origin[node] = ag
                 stack.extend(node.users)
     (output,) = [n for n in forward.graph.nodes if n.op == "output"]

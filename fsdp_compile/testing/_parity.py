@@ -42,11 +42,11 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
     alone: ``eager`` backend) on the local batch slices (no parity: its batch is not the
     global one)."""
     import torch.distributed as dist
-    from torch._dynamo.testing import CompileCounterWithBackend
 
+    from fsdp_compile._compat import compile_counter, reset_dynamo
     from fsdp_compile.testing._tensors import full_parameters, global_mean
 
-    torch._dynamo.reset()  # no graph reused from another variant's model
+    reset_dynamo()  # no graph reused from another variant's model
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = model_fn()
     sharded = variant != "reference"
@@ -60,7 +60,7 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
         shard_fn(model, fully_shard)
     backend = "eager" if variant == "unsharded" else variant.split(":", 1)[1] if ":" in variant else None
     compiled = variant == "unsharded" or backend not in (None, "eager")
-    counter = CompileCounterWithBackend(backend) if compiled else None
+    counter = compile_counter(backend) if compiled else None
     run = model if counter is None else torch.compile(model, backend=counter, **compile_kwargs)
     opt = optimizer_fn(model.parameters())
     losses, params = [], []
@@ -126,26 +126,16 @@ def assert_parity(
         ParityError: naming the first step and parameter (or the loss) that differs
             beyond ``rtol``/``atol``, and the size of the gap.
     """
-    from fsdp_compile.testing._rank_pool import RankPool
-
     if reference not in ("single_process", "fsdp2"):
         raise ValueError(f"reference={reference!r}: expected 'single_process' or 'fsdp2'")
     reference_variant = "reference" if reference == "single_process" else "fsdp2"
     variants = [reference_variant, *(f"ours:{b}" for b in backends)]
     if check_graph_count:
         variants.append("unsharded")
-    own_pool = pool is None
-    pool = pool or RankPool(world_size)
-    try:
-        results = pool.run(_train_all, model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps, compile_kwargs or {})[0]
-    finally:
-        if own_pool:
-            pool.close()
-    expected = results[reference_variant]
-    report = ParityReport()
-    report.graphs = {v: r["graphs"] for v, r in results.items() if r["graphs"] is not None}
+    args = (model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variants, steps, compile_kwargs or {})
+    results = _run_on_ranks(pool, world_size, _train_all, *args)
+    report = ParityReport(graphs={v: r["graphs"] for v, r in results.items() if r["graphs"] is not None})
     for variant in variants[1:]:
-        got = results[variant]
         if variant == "unsharded":
             continue
         if check_graph_count and report.graphs.get(variant, 0) > report.graphs["unsharded"]:
@@ -154,19 +144,38 @@ def assert_parity(
                 f"{report.graphs['unsharded']}: sharding added graph breaks or recompiles "
                 "(TORCH_LOGS=graph_breaks,recompiles shows where)"
             )
-        report.max_loss_gap[variant] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
-        report.max_param_gap[variant] = 0.0
-        for step in range(steps):
-            a, b = got["losses"][step], expected["losses"][step]
-            if abs(a - b) > atol + rtol * abs(b):
-                raise ParityError(f"{variant}: loss at step {step} is {a!r}, {reference} has {b!r} (gap {abs(a - b):.3g})")
-            for fqn, ref_value in expected["params"][step].items():
-                value = got["params"][step][fqn]
-                gap = (value - ref_value).abs().max().item() if value.numel() else 0.0
-                report.max_param_gap[variant] = max(report.max_param_gap[variant], gap)
-                if not torch.allclose(value, ref_value, rtol=rtol, atol=atol):
-                    raise ParityError(
-                        f"{variant}: parameter {fqn!r} after step {step} differs from {reference} by up to "
-                        f"{gap:.3g} (rtol={rtol}, atol={atol})"
-                    )
+        _compare(variant, results[variant], results[reference_variant], reference, report, rtol, atol)
     return report
+
+
+def _run_on_ranks(pool, world_size: int, fn, *args):
+    """Rank 0's result of ``fn(*args)`` run on every rank of ``pool`` (by default a pool
+    of ``world_size`` ranks started and closed here)."""
+    from fsdp_compile.testing._rank_pool import RankPool
+
+    own_pool = pool is None
+    pool = pool or RankPool(world_size)
+    try:
+        return pool.run(fn, *args)[0]
+    finally:
+        if own_pool:
+            pool.close()
+
+
+def _compare(variant: str, got: dict, expected: dict, reference: str, report: ParityReport, rtol: float, atol: float) -> None:
+    """Record ``variant``'s largest gaps in ``report``; raise at the first loss or parameter
+    beyond ``rtol``/``atol``."""
+    report.max_loss_gap[variant] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+    report.max_param_gap[variant] = 0.0
+    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
+        if abs(a - b) > atol + rtol * abs(b):
+            raise ParityError(f"{variant}: loss at step {step} is {a!r}, {reference} has {b!r} (gap {abs(a - b):.3g})")
+        for fqn, ref_value in expected["params"][step].items():
+            value = got["params"][step][fqn]
+            gap = (value - ref_value).abs().max().item() if value.numel() else 0.0
+            report.max_param_gap[variant] = max(report.max_param_gap[variant], gap)
+            if not torch.allclose(value, ref_value, rtol=rtol, atol=atol):
+                raise ParityError(
+                    f"{variant}: parameter {fqn!r} after step {step} differs from {reference} by up to "
+                    f"{gap:.3g} (rtol={rtol}, atol={atol})"
+                )

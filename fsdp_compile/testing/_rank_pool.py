@@ -42,6 +42,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, conn: Conn
     import torch
     import torch.distributed as dist
 
+    from fsdp_compile._compat import reset_dynamo
+
     torch.set_num_threads(1)
     if backend == "fake":
         from fsdp_compile._compat import register_fake_process_group
@@ -58,7 +60,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, conn: Conn
             break
         fn, args, kwargs = msg
         try:
-            torch._dynamo.reset()
+            reset_dynamo()
             result = fn(*args, **kwargs)
             conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - report everything to the parent
