@@ -190,6 +190,38 @@ def flat_group_of(mesh) -> torch.distributed.ProcessGroup:
     return mesh._flatten().get_group()
 
 
+def group_ranks(group_name: str) -> list[int] | None:
+    """torch/distributed/distributed_c10d.py ``_resolve_process_group``: the global ranks
+    of the process group the functional collectives call ``group_name`` (``None`` if
+    no such group exists in this process)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.get_process_group_ranks(_resolve_process_group(group_name))
+    except Exception:  # unknown name
+        return None
+
+
+def concatenate_meshes(meshes: list):
+    """torch/distributed/device_mesh.py ``DeviceMesh._concatenate``: one mesh over the
+    given sibling dimensions of one root mesh (e.g. ``mesh["dp"]`` and ``mesh["tp"]``);
+    raises if they are not dimensions of one mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """torch/distributed/tensor/placement_types.py ``_StridedShard``: FSDP2's placement for
+    a dimension that tensor parallelism already shards on a later mesh dimension."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
 def outside_dispatch_modes():
     """Context manager running code with the active Python dispatch modes popped
     (``torch.utils._python_dispatch._disable_current_modes``): selective activation
@@ -286,6 +318,9 @@ __all__ = [
     "is_backward_node",
     "group_name_of",
     "flat_group_of",
+    "concatenate_meshes",
+    "group_ranks",
+    "strided_shard",
     "compile_fx_up_to_post_grad",
     "in_backward_recompute",
     "outside_dispatch_modes",

@@ -129,7 +129,7 @@ def _gathered_param_of(t: torch.Tensor) -> FSDPParam | None:
     storage = t.untyped_storage().data_ptr()
     for fsdp_param in forward_context.gathered_params():
         full = fsdp_param.gathered
-        if full is not None and full.numel() > 0 and full.untyped_storage().data_ptr() == storage:
+        if type(full) is torch.Tensor and full.numel() > 0 and full.untyped_storage().data_ptr() == storage:
             return fsdp_param
     return None
 

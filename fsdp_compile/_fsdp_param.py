@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
 from fsdp_compile.runtime.collectives import CollectiveSpec, ShardLayout, gather_with_grad_sync
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
@@ -48,6 +49,8 @@ class FSDPParam:
         fqn: its name relative to the outermost sharded module (the root).
         sharded_param: the registered ``nn.Parameter`` wrapping a ``DTensor``.
         layout: the dim-0 split (``None`` for a 0-dim parameter, which is replicated).
+        tensor_parallel: how tensor parallelism laid the parameter out before
+            (``None`` for a plain parameter); FSDP then shards its local tensor.
         spec: how its collectives run (:class:`~fsdp_compile.runtime.collectives.CollectiveSpec`).
         state / gathered: the :class:`ParamState` and, unless ``SHARDED``, the full tensor.
         unit: the :class:`~fsdp_compile._fsdp_state.FSDPUnit` that owns it.
@@ -59,7 +62,8 @@ class FSDPParam:
         self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
         dp = unit.dp_mesh
-        data = param.detach()
+        tp = self.tensor_parallel = TensorParallelSpec.of(param) if isinstance(param, DTensor) else None
+        data = (param if tp is None else param.to_local()).detach()
         if data.ndim == 0 or not dp.shards:
             self.layout = None  # replicated: gradient all-reduced
             local = data.clone()
@@ -70,11 +74,15 @@ class FSDPParam:
         self.reduce_group_names = dp.reduce_group_names(sharded_dim0=self.layout is not None)
         dtensor = DTensor.from_local(
             unit.devices.to_storage(local),
-            unit.mesh,
-            dp.placements(sharded_dim0=self.layout is not None),
+            unit.mesh if tp is None else spmd_mesh(unit.mesh, tp),
+            dp.placements(
+                sharded_dim0=self.layout is not None,
+                tp_placements=() if tp is None else tp.placements,
+                tp_dim0_shards=1 if tp is None else tp.dim0_shards,
+            ),
             run_check=False,
-            shape=data.shape,
-            stride=_contiguous_stride(data.shape),
+            shape=param.shape,
+            stride=_contiguous_stride(param.shape),
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         # Carry over attributes users hang on parameters (e.g. ``_no_weight_decay``).
@@ -129,7 +137,7 @@ class FSDPParam:
         local = self.unit.devices.to_compute(sharded_param.to_local())
         accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
         pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
-        self.gathered = gather_with_grad_sync(local, self.spec, pending, accumulator)
+        self.gathered = self._for_compute(gather_with_grad_sync(local, self.spec, pending, accumulator))
         self.state = ParamState.GATHERED
         forward_context.note_gathered(self)
         return self.gathered
@@ -139,7 +147,12 @@ class FSDPParam:
         (eager code only: ``unshard()``, eager backward's re-gather)."""
         spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
         with torch.no_grad():
-            return gather_with_grad_sync(self.unit.devices.to_compute(self.sharded_param.to_local()), spec)
+            return self._for_compute(gather_with_grad_sync(self.unit.devices.to_compute(self.sharded_param.to_local()), spec))
+
+    def _for_compute(self, full: torch.Tensor) -> torch.Tensor:
+        """What the module's forward reads: the gathered tensor, as the TP ``DTensor``
+        it was before sharding if tensor parallelism made it one."""
+        return full if self.tensor_parallel is None else self.tensor_parallel.wrap(full)
 
     def drop_gathered(self) -> None:
         """The running sharded forward that gathered this parameter returns."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from fsdp_compile import _eager
 from fsdp_compile._compat import (
@@ -32,6 +33,7 @@ from fsdp_compile._compat import (
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import FSDPUnit, ShardDevices, compute_device, forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
+from fsdp_compile._tensor_parallel import check_tensor_parallel_param
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
 # Set on an original (unsharded) nn.Parameter once it is sharded, so that a
@@ -424,6 +426,8 @@ def _collect_owned_params(
                 existing = _existing_fsdp_param(mod, name, param)
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
+                elif isinstance(param, DTensor):
+                    check_tensor_parallel_param(param, fqn, unit.mesh, _unit_name(modules))
                 owned.append((mod, name, param, fqn, module_index))
             for child_name, child in reversed(list(mod._modules.items())):
                 if child is not None:

@@ -29,10 +29,12 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from fsdp_compile import config
+from fsdp_compile.runtime.process_groups import is_tensor_parallel_group
 from fsdp_compile.runtime.vocabulary import (
     WAIT,
     aten,
     collective_kind,
+    group_of,
     is_alias,
     is_aten_kernel,
     is_zero_constructor,
@@ -147,6 +149,15 @@ def compute_seconds(node: fx.Node, profile: HardwareProfile, notes: set) -> floa
     return max(flops / profile.flops_per_s, moved / profile.mem_bytes_per_s)
 
 
+def collective_owner(node: fx.Node) -> str:
+    """Whose collective: our unit's name (``""`` for the root), ``"TP"`` for tensor
+    parallelism's (DTensor's), ``"?"`` for anyone else's."""
+    tag = tag_of(node)
+    if tag is not None:
+        return tag.unit_fqn
+    return "TP" if is_tensor_parallel_group(group_of(node)) else "?"
+
+
 def collective_seconds(node: fx.Node, profile: HardwareProfile, notes: set, default_world_size: int = 2) -> float:
     kind = collective_kind(node)
     # all_reduce's schema names no group size; use the graph's other collectives'.
@@ -241,8 +252,7 @@ def simulate(graph: fx.Graph, profile: HardwareProfile | str, *, ignore_own_copi
             duration = collective_seconds(node, profile, notes, world_size)
             start = max(t_link, t_compute)
             t_link = start + duration
-            tag = tag_of(node)
-            timing = CollectiveTiming(node.name, kind, tag.unit_fqn if tag else "?", tensor_bytes(node, notes), t_compute, start, t_link)
+            timing = CollectiveTiming(node.name, kind, collective_owner(node), tensor_bytes(node, notes), t_compute, start, t_link)
             sim.collectives.append(timing)
             sim.communication_s += duration
             if len(node.users) == 1 and next(iter(node.users)).target is WAIT:

@@ -53,7 +53,7 @@ def _collective_row(i: int, t, node: fx.Node, graph: fx.Graph, position: dict) -
     tag = tag_of(node)
     wait = next((u for u in node.users if u.target is WAIT), None)
     between = _compute_between(graph, node, wait)
-    params = tag.param_fqn if tag else "(not ours)"
+    params = tag.param_fqn if tag else ("(tensor parallel)" if t.unit == "TP" else "(not ours)")
     if len(params) > 60:
         params = params[:57] + "..."
     duration = t.end_s - t.start_s
@@ -62,7 +62,7 @@ def _collective_row(i: int, t, node: fx.Node, graph: fx.Graph, position: dict) -
     dtype = str(val.dtype).replace("torch.", "") if val is not None else "?"
     shown = ", ".join(between[:3]) + (", ..." if len(between) > 3 else "")
     return (
-        f"| {i} | {t.kind} | {tag.unit_label if tag else '-'} | {params} | {dtype} | {t.bytes} "
+        f"| {i} | {t.kind} | {tag.unit_label if tag else t.unit} | {params} | {dtype} | {t.bytes} "
         f"| {tag.bucket_size if tag else 1} | {position[node]} | {position[wait] if wait else '-'} "
         f"| {len(between)}{f' ({shown})' if between else ''} "
         f"| {duration * 1e6:.1f} | {t.exposed_s * 1e6:.1f} | {overlap:.0%} |"
@@ -81,7 +81,7 @@ def timeline_chrome_trace(sim: Simulation) -> str:
     for t in sim.collectives:
         events.append(
             {
-                "name": f"{t.kind} {t.unit or '(root)'}",
+                "name": f"{t.kind} {_owner(t)}",
                 "ph": "X",
                 "pid": 0,
                 "tid": 1,
@@ -93,7 +93,7 @@ def timeline_chrome_trace(sim: Simulation) -> str:
         if t.exposed_s:
             events.append(
                 {
-                    "name": f"waiting for {t.kind} {t.unit or '(root)'}",
+                    "name": f"waiting for {t.kind} {_owner(t)}",
                     "ph": "X",
                     "pid": 0,
                     "tid": 0,
@@ -129,12 +129,12 @@ def timeline_svg(sim: Simulation, width: int = 1200) -> str:
         w = max((t.end_s - t.start_s) * scale, 0.5)
         parts.append(
             f'<rect x="{x(t.start_s):.2f}" y="{top + lane_h}" width="{w:.2f}" height="{lane_h - 6}" fill="#1e88e5" stroke="white">'
-            f"<title>{t.kind} {t.unit or '(root)'}: {t.bytes} bytes, exposed {t.exposed_s * 1e6:.1f} us</title></rect>"
+            f"<title>{t.kind} {_owner(t)}: {t.bytes} bytes, exposed {t.exposed_s * 1e6:.1f} us</title></rect>"
         )
         if t.exposed_s:
             parts.append(
                 f'<rect x="{x(t.end_s - t.exposed_s):.2f}" y="{top}" width="{max(t.exposed_s * scale, 0.5):.2f}" height="{lane_h - 6}" fill="#e53935">'
-                f"<title>waiting for {t.kind} {t.unit or '(root)'}</title></rect>"
+                f"<title>waiting for {t.kind} {_owner(t)}</title></rect>"
             )
     legend_y = top + 2 * lane_h + 20
     parts += [
@@ -174,3 +174,8 @@ def write_graph_report(folder: Path | None, graph: fx.Graph, profile: str) -> No
     (folder / "collectives.md").write_text(collectives_table(graph, sim))
     (folder / "timeline.json").write_text(timeline_chrome_trace(sim))
     (folder / "timeline.svg").write_text(timeline_svg(sim))
+
+
+def _owner(t) -> str:
+    """A timeline label: the unit ("(root)"), or "TP" for tensor parallelism's collectives."""
+    return t.unit or "(root)"

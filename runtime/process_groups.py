@@ -16,9 +16,42 @@ _SIDE_GROUP = None
 _GROUP_LABELS: dict[str, str] = {}
 
 
+# Groups of the meshes tensor parallelism put parameters on (their collectives are
+# DTensor's, not ours).
+_TENSOR_PARALLEL_GROUPS: set[str] = set()
+
+
 def group_label(group_name: str) -> str:
-    """A rank-independent name for a group a ``DataParallelMesh`` resolved, else the name."""
-    return _GROUP_LABELS.get(group_name, group_name)
+    """A rank-independent name for a group: a dimension of a mesh we were given, else
+    the group's shape (each rank's tensor-parallel group is another group, with
+    another name), else the name itself."""
+    if group_name in _GROUP_LABELS:
+        return _GROUP_LABELS[group_name]
+    from fsdp_compile._compat import group_ranks
+
+    ranks = group_ranks(group_name)
+    if ranks is None or len(ranks) < 2:
+        return group_name
+    strides = {b - a for a, b in zip(ranks, ranks[1:])}
+    return f"{len(ranks)} ranks, stride {strides.pop()}" if len(strides) == 1 else group_name
+
+
+def label_mesh_groups(mesh, *, tensor_parallel: bool = False) -> None:
+    """Name each dimension's group of ``mesh`` the same on every rank ("mesh dim 'dp'
+    of size 2"): each rank's group along a dimension of a multi-dimensional mesh is
+    a different group, with a different name."""
+    from fsdp_compile._compat import group_name_of
+
+    for dim in range(mesh.ndim):
+        name = group_name_of(mesh.get_group(dim))
+        dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
+        _GROUP_LABELS[name] = f"mesh dim {dim_name!r} of size {mesh.size(dim)}"
+        if tensor_parallel:
+            _TENSOR_PARALLEL_GROUPS.add(name)
+
+
+def is_tensor_parallel_group(group_name: str | None) -> bool:
+    return group_name in _TENSOR_PARALLEL_GROUPS
 
 
 def all_gather_json(value, group=None, device: torch.device | None = None) -> list:
@@ -89,23 +122,28 @@ class DataParallelMesh:
         self.shard_world_size = 1 if shard_dim is None else mesh.size(shard_dim)
         self.shard_rank = 0 if shard_dim is None else mesh.get_local_rank(shard_dim)
         self.replicate_group_name = None if replicate_dim is None else group_name_of(mesh.get_group(replicate_dim))
-        if mesh.ndim > 1:
-            for dim, name in ((shard_dim, self.shard_group_name), (replicate_dim, self.replicate_group_name)):
-                dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
-                _GROUP_LABELS[name] = f"mesh dim {dim_name!r} of size {mesh.size(dim)}"
+        label_mesh_groups(mesh)
 
     @property
     def shards(self) -> bool:
         return self.shard_dim is not None
 
-    def placements(self, sharded_dim0: bool) -> list:
-        """DTensor placements of a parameter (``sharded_dim0``: split along dim 0)."""
+    def placements(self, sharded_dim0: bool, tp_placements: tuple = (), tp_dim0_shards: int = 1) -> tuple:
+        """DTensor placements of a parameter on this mesh's dimensions, followed by its
+        tensor-parallel placements (``tp_placements``) on the TP mesh's.
+
+        ``sharded_dim0``: split along dim 0 here. A dim 0 that tensor parallelism
+        already splits into ``tp_dim0_shards`` pieces is split here *within* each TP
+        piece, which DTensor spells ``_StridedShard(0, split_factor=tp_dim0_shards)``
+        (FSDP2's placement, so checkpoints interchange)."""
         from torch.distributed.tensor import Replicate, Shard
+
+        from fsdp_compile._compat import strided_shard
 
         out = [Replicate()] * self.mesh.ndim
         if sharded_dim0 and self.shard_dim is not None:
-            out[self.shard_dim] = Shard(0)
-        return out
+            out[self.shard_dim] = strided_shard(0, tp_dim0_shards) if tp_dim0_shards > 1 else Shard(0)
+        return (*out, *tp_placements)
 
     def reduce_group_names(self, sharded_dim0: bool) -> tuple[str, ...]:
         """Groups an all-reduced (not reduce-scattered) gradient is summed over, in order."""
