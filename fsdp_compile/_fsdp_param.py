@@ -57,28 +57,33 @@ class FSDPParam:
         owner: the first module registering it, and the name it has there.
     """
 
-    def __init__(self, param: nn.Parameter, local_fqn: str, unit: FSDPUnit, module_index: int = 0) -> None:
+    def __init__(self, param: nn.Parameter, local_fqn: str, unit: FSDPUnit, module_index: int = 0, shard_dim: int = 0) -> None:
         self.local_fqn = local_fqn
         self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
         dp = unit.dp_mesh
         tp = self.tensor_parallel = TensorParallelSpec.of(param) if isinstance(param, DTensor) else None
         data = (param if tp is None else param.to_local()).detach()
+        self.shard_dim = shard_dim
         if data.ndim == 0 or not dp.shards:
             self.layout = None  # replicated: gradient all-reduced
             local = data.clone()
         else:
-            self.layout = ShardLayout(tuple(data.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
-            start = min(dp.shard_rank * self.layout.rows_per_rank, data.shape[0])
-            local = data.narrow(0, start, self.layout.local_rows).clone()
-        self.reduce_group_names = dp.reduce_group_names(sharded_dim0=self.layout is not None)
+            # The runtime splits dim 0; another shard dim is moved there and back.
+            moved = data.movedim(shard_dim, 0)
+            self.layout = ShardLayout(tuple(moved.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
+            start = min(dp.shard_rank * self.layout.rows_per_rank, moved.shape[0])
+            local = moved.narrow(0, start, self.layout.local_rows).movedim(0, shard_dim)
+            local = local.clone(memory_format=torch.contiguous_format)
+        self.reduce_group_names = dp.reduce_group_names(sharded=self.layout is not None)
         dtensor = DTensor.from_local(
             unit.devices.to_storage(local),
             unit.mesh if tp is None else spmd_mesh(unit.mesh, tp),
             dp.placements(
-                sharded_dim0=self.layout is not None,
+                sharded=self.layout is not None,
+                shard_dim=shard_dim,
                 tp_placements=() if tp is None else tp.placements,
-                tp_dim0_shards=1 if tp is None else tp.dim0_shards,
+                tp_shards=1 if tp is None else tp.shards_on(shard_dim),
             ),
             run_check=False,
             shape=param.shape,
@@ -134,7 +139,7 @@ class FSDPParam:
             return self.gathered
         if forward_context.in_broken_graph():
             warn_gathered_in_broken_graph(self)
-        local = self.unit.devices.to_compute(sharded_param.to_local())
+        local = self._gather_input(sharded_param)
         accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
         pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
         self.gathered = self._for_compute(gather_with_grad_sync(local, self.spec, pending, accumulator))
@@ -147,11 +152,18 @@ class FSDPParam:
         (eager code only: ``unshard()``, eager backward's re-gather)."""
         spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
         with torch.no_grad():
-            return self._for_compute(gather_with_grad_sync(self.unit.devices.to_compute(self.sharded_param.to_local()), spec))
+            return self._for_compute(gather_with_grad_sync(self._gather_input(self.sharded_param), spec))
+
+    def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
+        """The local shard on the compute device, its shard dim first."""
+        local = self.unit.devices.to_compute(sharded_param.to_local())
+        return local.movedim(self.shard_dim, 0) if self.shard_dim and self.layout is not None else local
 
     def _for_compute(self, full: torch.Tensor) -> torch.Tensor:
-        """What the module's forward reads: the gathered tensor, as the TP ``DTensor``
-        it was before sharding if tensor parallelism made it one."""
+        """What the module's forward reads: the gathered tensor with its dims in place, as
+        the TP ``DTensor`` it was before sharding if tensor parallelism made it one."""
+        if self.shard_dim and self.layout is not None:
+            full = full.movedim(0, self.shard_dim)
         return full if self.tensor_parallel is None else self.tensor_parallel.wrap(full)
 
     def drop_gathered(self) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compile import _eager
 from fsdp_compile._compat import (
@@ -238,6 +238,9 @@ def fully_shard(
             ``mesh_dim_names`` whose dims are (replicate, shard) (HSDP: shard
             over dim 1, all-reduce gradients over dim 0); defaults to all ranks
             of the default process group on the parameters' device type.
+        shard_placement_fn: ``parameter -> Shard(dim) | None`` as FSDP2's: shard that
+            parameter along ``dim`` instead of dim 0 (``None``: dim 0); uneven
+            splits are padded like dim 0's.
         reshard_after_forward: ``True`` frees gathered parameters after
             forward (re-gathered in backward); ``False`` keeps them; ``None``
             means ``True`` except for the root unit.
@@ -302,16 +305,17 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
         mp_policy=mp_policy,
     )
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
+    shard_dims = [_shard_dim(param, fqn, shard_placement_fn, _unit_name(modules)) for _, _, param, fqn, _ in owned]
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
     # -- nothing below may fail on one rank only --
     by_original: dict[int, FSDPParam] = {}
-    for owner, name, param, fqn, module_index in owned:
+    for (owner, name, param, fqn, module_index), shard_dim in zip(owned, shard_dims):
         fsdp_param = getattr(param, _SHARDED_AS, None)
         if fsdp_param is None:
             fsdp_param = by_original.get(id(param))
         if fsdp_param is None:
-            fsdp_param = FSDPParam(param, fqn, unit, module_index)
+            fsdp_param = FSDPParam(param, fqn, unit, module_index, shard_dim)
             by_original[id(param)] = fsdp_param
             unit.params.append(fsdp_param)
             setattr(param, _SHARDED_AS, fsdp_param)
@@ -349,12 +353,31 @@ def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_po
             "is not supported; use True (free after forward, gather again in backward), False (keep "
             "gathered until backward) or None (True except for the root)"
         )
-    if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn is not supported yet: parameters are sharded on dim 0")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be a callable (parameter -> Shard | None), got {shard_placement_fn!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}")
+
+
+def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str) -> int:
+    """The dimension ``shard_placement_fn`` (FSDP2's) shards ``param`` on; 0 by default."""
+    placement = None if shard_placement_fn is None or param.ndim == 0 else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise TypeError(
+            f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+            "return Shard(dim) or None (Shard(0))"
+        )
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r} "
+            f"of shape {list(param.shape)}; the dimension must be in [-{param.ndim}, {param.ndim})"
+        )
+    return dim
 
 
 def _default_mesh(modules: list[nn.Module], shard: bool) -> DeviceMesh:

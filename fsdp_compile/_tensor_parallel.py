@@ -35,12 +35,11 @@ class TensorParallelSpec:
         label_mesh_groups(param.device_mesh, tensor_parallel=True)  # for reports and the cross-rank check
         return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
 
-    @property
-    def dim0_shards(self) -> int:
-        """Into how many pieces TP splits dim 0."""
+    def shards_on(self, dim: int) -> int:
+        """Into how many pieces TP splits dimension ``dim``."""
         n = 1
         for size, placement in zip(self.mesh.shape, self.placements):
-            if isinstance(placement, Shard) and placement.dim in (0, -len(self.shape)):
+            if isinstance(placement, Shard) and placement.dim % len(self.shape) == dim:
                 n *= size
         return n
 

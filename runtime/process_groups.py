@@ -128,27 +128,27 @@ class DataParallelMesh:
     def shards(self) -> bool:
         return self.shard_dim is not None
 
-    def placements(self, sharded_dim0: bool, tp_placements: tuple = (), tp_dim0_shards: int = 1) -> tuple:
+    def placements(self, sharded: bool, shard_dim: int = 0, tp_placements: tuple = (), tp_shards: int = 1) -> tuple:
         """DTensor placements of a parameter on this mesh's dimensions, followed by its
         tensor-parallel placements (``tp_placements``) on the TP mesh's.
 
-        ``sharded_dim0``: split along dim 0 here. A dim 0 that tensor parallelism
-        already splits into ``tp_dim0_shards`` pieces is split here *within* each TP
-        piece, which DTensor spells ``_StridedShard(0, split_factor=tp_dim0_shards)``
+        ``sharded``: split along ``shard_dim`` here. A dim that tensor parallelism
+        already splits into ``tp_shards`` pieces is split here *within* each TP
+        piece, which DTensor spells ``_StridedShard(dim, split_factor=tp_shards)``
         (FSDP2's placement, so checkpoints interchange)."""
         from torch.distributed.tensor import Replicate, Shard
 
         from fsdp_compile._compat import strided_shard
 
         out = [Replicate()] * self.mesh.ndim
-        if sharded_dim0 and self.shard_dim is not None:
-            out[self.shard_dim] = strided_shard(0, tp_dim0_shards) if tp_dim0_shards > 1 else Shard(0)
+        if sharded and self.shard_dim is not None:
+            out[self.shard_dim] = strided_shard(shard_dim, tp_shards) if tp_shards > 1 else Shard(shard_dim)
         return (*out, *tp_placements)
 
-    def reduce_group_names(self, sharded_dim0: bool) -> tuple[str, ...]:
+    def reduce_group_names(self, sharded: bool) -> tuple[str, ...]:
         """Groups an all-reduced (not reduce-scattered) gradient is summed over, in order."""
         names = []
-        if self.shard_group_name is not None and not sharded_dim0:
+        if self.shard_group_name is not None and not sharded:
             names.append(self.shard_group_name)
         if self.replicate_group_name is not None:
             names.append(self.replicate_group_name)

@@ -71,7 +71,6 @@ def test_shared_parameter_with_conflicting_mesh(fake_pg):
     "kwargs,match",
     [
         (dict(reshard_after_forward=2), r"reshard_after_forward=2: resharding to a smaller group \(int\) is not supported"),
-        (dict(shard_placement_fn=lambda p: None), "shard_placement_fn"),
     ],
 )
 def test_unsupported_options_are_not_ignored(fake_pg, kwargs, match):
