@@ -3,18 +3,17 @@ decoder layer with fsdp_compile, compiled, trained for a few steps.
 
     pip install -e ".[examples]"
     python examples/hf_llama.py            # starts 2 CPU ranks itself (gloo)
+    torchrun --nproc-per-node 8 examples/hf_llama.py --hidden 1024 --layers 8
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _launch import run_on_ranks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,25 +69,9 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
-    )
-    try:
-        train(args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawned_rank, args=(args.world_size, port, args), nprocs=args.world_size)
+    run_on_ranks(train, args, args.world_size)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Train a small Llama-style model with ``torch.compile(fully_shard(model))``.
 
     python examples/train.py                 # starts 2 CPU ranks itself (gloo)
+    python examples/train.py --tp 2          # FSDP + tensor parallelism: 4 CPU ranks, (dp=2, tp=2)
     torchrun --nproc-per-node 8 examples/train.py --dim 1024 --layers 16   # GPUs: NCCL
     python examples/train.py --steps 3 --dump dump/  # every compile stage + collectives report
     python examples/train.py --bf16 --steps 5 --save ckpt/ && python examples/train.py --resume ckpt/
@@ -13,15 +14,13 @@ rank 0 prints the loss and step time of every step.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _launch import run_on_ranks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="per rank")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--compile-backend", default="inductor", help="inductor | aot_eager | eager (no compile)")
-    p.add_argument("--world-size", type=int, default=2, help="CPU ranks to start when not under torchrun")
+    p.add_argument("--world-size", type=int, help="CPU ranks to start when not under torchrun (default: 2, or 2 x --tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: a (world / tp, tp) mesh, TP inside each layer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", metavar="DIR", help="write every compile stage and a collectives report (fsdp_compile.debug.dump)")
     p.add_argument("--bf16", action="store_true", help="mixed precision: bf16 parameters/gathers, fp32 gradient reduction")
@@ -47,7 +47,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", metavar="DIR", help="save model + optimizer with DCP after the last step")
     p.add_argument("--resume", metavar="DIR", help="resume model + optimizer + step from a --save checkpoint")
     args = p.parse_args(argv)
+    if args.world_size is None:
+        args.world_size = 2 * args.tp
     return args
+
+
+def tensor_parallel(model, tp: int, device: torch.device):
+    """Tensor parallelism inside each decoder layer on the "tp" dimension of a
+    (world / tp, tp) mesh (torchtitan's plan); returns the "dp" dimension, which
+    fully_shard then shards over."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world_size = dist.get_world_size()
+    if world_size % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world_size} ranks")
+    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    plan = {
+        **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+    return mesh["dp"]
 
 
 def synthetic_tokens(batch: int, length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -86,9 +111,13 @@ def _train(args: argparse.Namespace) -> list[float]:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = Llama(cfg).to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
+    dp_mesh, dp_rank = None, rank
+    if args.tp > 1:
+        dp_mesh = tensor_parallel(model, args.tp, device)
+        dp_rank = dp_mesh.get_local_rank()
     for layer in model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     step_fn = model if args.compile_backend == "eager" else torch.compile(model, backend=args.compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_step = load_checkpoint(args.resume, model, opt) if args.resume else 0
@@ -96,7 +125,8 @@ def _train(args: argparse.Namespace) -> list[float]:
     losses, step_times = [], []
     for step in range(first_step, first_step + args.steps):
         # Each (step, rank) has its own batch, so a resumed run sees the same data.
-        data = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 7919 + rank)
+        # (Ranks of one tensor-parallel group share their batch.)
+        data = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 7919 + dp_rank)
         tokens = synthetic_tokens(args.batch_size, args.seq_len + 1, cfg.vocab_size, data).to(device)
         start = time.perf_counter()
         logits = step_fn(tokens[:, :-1])
@@ -113,7 +143,7 @@ def _train(args: argparse.Namespace) -> list[float]:
         if rank == 0:
             first = step == first_step
             note = " (includes compilation)" if first and args.compile_backend != "eager" else ""
-            n_tokens = args.batch_size * args.seq_len * world_size
+            n_tokens = args.batch_size * args.seq_len * world_size // args.tp
             # The compiling step says nothing about the steps after it: leave it out.
             timed = step_times[1:] if args.compile_backend != "eager" else step_times
             remaining = first_step + args.steps - step - 1
@@ -153,41 +183,10 @@ def load_checkpoint(path: str, model, opt) -> int:
     return step
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=5),
-    )
-    try:
-        train(args)
-        dist.barrier()  # no rank tears down gloo while a peer is still talking to it
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:  # launched by torchrun: use its ranks
-        use_cuda = torch.cuda.is_available()
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        try:
-            train(args)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    print(f"starting {args.world_size} CPU ranks (gloo); compile backend: {args.compile_backend}", flush=True)
-    torch.multiprocessing.spawn(_spawned_rank, args=(args.world_size, port, args), nprocs=args.world_size)
+    print(f"compile backend: {args.compile_backend}", flush=True)
+    run_on_ranks(train, args, args.world_size)
 
 
 if __name__ == "__main__":

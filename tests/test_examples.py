@@ -32,6 +32,16 @@ def test_train_save_resume_continues_exactly(tmp_path):
     assert resumed == {2: straight[2]}  # same loss, to the printed digits
 
 
+def test_train_with_tensor_parallelism_matches_data_parallel_only():
+    """--tp 2: 4 ranks as (dp=2, tp=2) see the same batches as 2 data-parallel ranks
+    (dim 48: the feed-forward width, 128, splits evenly over the TP ranks). Eager: the
+    compiled FSDP + TP step is tested in test_tensor_parallel.py."""
+    args = ("--steps", "2", "--dim", "48", "--compile-backend", "eager")
+    plain, tensor_parallel = _train(*args), _train(*args, "--tp", "2")
+    assert sorted(tensor_parallel) == [0, 1]
+    assert all(abs(float(plain[s]) - float(tensor_parallel[s])) < 2e-4 for s in plain)
+
+
 def test_train_bf16_and_activation_checkpointing_run():
     assert len(_train("--steps", "2", "--bf16")) == 2
     assert len(_train("--steps", "1", "--activation-checkpointing", "selective")) == 1  # compiled (Inductor)

@@ -143,14 +143,21 @@ def test_fsdp_tp_matches_reference_and_fsdp2(pool4, sequence_parallel):
     fsdp2 = pool4.run(train, "fsdp2", sequence_parallel)[0]
     ours_eager = pool4.run(train, "ours", sequence_parallel)[0]
     ours_aot = pool4.run(train, "ours:aot_eager", sequence_parallel)[0]
-    ours_inductor = pool4.run(train, "ours:inductor", sequence_parallel)[0]
     # Same names and placements as FSDP2 + TP (so DCP checkpoints interchange).
     assert ours_eager["placements"] == fsdp2["placements"]
     assert _max_gap(fsdp2, reference) < 1e-5
     assert _max_gap(ours_eager, reference) < 1e-5
     # Eager and aot_eager run the same ops: bitwise equal.
     assert _max_gap(ours_aot, ours_eager) == 0.0
-    assert ours_aot["graphs"] == ours_inductor["graphs"] == 1  # fullgraph=True, no recompiles
+    assert ours_aot["graphs"] == 1  # fullgraph=True, no recompiles
+
+
+def test_fsdp_tp_sp_under_inductor_matches_reference(pool4):
+    """Inductor (our post-grad passes, the cross-rank check) on the sequence-parallel plan,
+    the one with the most TP collectives; to fp32 rounding."""
+    reference = pool4.run(train, "reference")[0]
+    ours_inductor = pool4.run(train, "ours:inductor", True)[0]
+    assert ours_inductor["graphs"] == 1
     assert _max_gap(ours_inductor, reference) < 1e-5
 
 

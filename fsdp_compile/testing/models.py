@@ -82,10 +82,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q, k, v = (
-            w(x).view(b, s, heads, self.head_dim).transpose(1, 2)
-            for w, heads in ((self.wq, self.n_heads), (self.wk, self.n_kv_heads), (self.wv, self.n_kv_heads))
-        )
+        # -1: the heads this rank computes (all of them, or its share under tensor parallelism).
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_kv_heads == self.n_heads:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
