@@ -21,11 +21,12 @@ BENCHMARKS.md reports, which take much longer.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import time
+
+from benchmarks._common import benchmark_parser
 
 BENCHMARKS = ["step_time", "shaped_link", "memory", "comm_volume", "graph_count", "passes_vs_builtin", "scale", "dynamic_shapes"]
 QUICK_ARGS = {
@@ -59,8 +60,7 @@ def run_one(name: str, quick: bool, timeout_s: float) -> tuple[str, float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every benchmark")
+    p = benchmark_parser(__doc__, quick_help="small sizes: a smoke run of every benchmark")
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
     args = p.parse_args(argv)

@@ -9,7 +9,8 @@ a small and a large message (ring model: t = alpha + (n-1)/n * bytes / bw).
 
 from __future__ import annotations
 
-import os
+
+from benchmarks._common import one_thread_per_rank
 import time
 
 
@@ -47,7 +48,7 @@ def measure_collectives() -> dict:
 
 
 def main() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    one_thread_per_rank()
     import torch
 
     from fsdp_compile.testing import RankPool

@@ -20,8 +20,8 @@ ideal; padding of uneven shards puts it slightly over.
 
 from __future__ import annotations
 
-import argparse
-import os
+
+from benchmarks._common import benchmark_parser, one_thread_per_rank
 
 SETUPS = {
     "fp32, reshard_after_forward=True": (True, None),
@@ -120,17 +120,14 @@ def table(world_size: int, layers: int, dim: int) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__, quick_help="2 layers of width 64")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--quick", action="store_true", help="2 layers of width 64")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.dim = 2, 64
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Cache hits would skip the post-grad passes, and with them the counting.
-    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    one_thread_per_rank(cold_caches=True)  # cache hits would skip the passes, and the counting
     print("\n" + table(args.world_size, args.layers, args.dim))
 
 

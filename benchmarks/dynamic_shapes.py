@@ -10,13 +10,12 @@ compile is cold. Run from the repository root (reuses ``tests/dynamic_jobs.py``)
 
 from __future__ import annotations
 
-import os
+
+from benchmarks._common import one_thread_per_rank, table_header
 
 
 def main() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Cold compiles for every setup: no Inductor/AOTAutograd cache hits from earlier runs.
-    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    one_thread_per_rank(cold_caches=True)  # cold compiles for every setup
     from fsdp_compile.testing import RankPool
     from tests import dynamic_jobs
 
@@ -27,8 +26,7 @@ def main() -> None:
                 r = pool.run(dynamic_jobs.variable_lengths, kind, "inductor", mark=mark)[0]
                 rows.append((label, name, r))
     print("\n8 sequence lengths (16..256), batch 3/2 alternating, 2 ranks, Inductor (rank 0)\n")
-    print("| mode | setup | graphs compiled (non-empty) | compile events by step | compile time (s) |")
-    print("|---|---|---|---|---|")
+    print(table_header('mode', 'setup', 'graphs compiled (non-empty)', 'compile events by step', 'compile time (s)'))
     for label, name, r in rows:
         print(f"| {label} | {name} | {r['graphs']} | {r['frames_by_step']} | {sum(r['compile_seconds']):.1f} |")
 

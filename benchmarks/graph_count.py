@@ -10,8 +10,8 @@ first, recompiles in the second.
 
 from __future__ import annotations
 
-import argparse
-import os
+
+from benchmarks._common import benchmark_parser, one_thread_per_rank
 
 
 def count(kind: str, layers: int) -> dict:
@@ -71,10 +71,10 @@ def count(kind: str, layers: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--layers", type=int, default=4)
     args = p.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    one_thread_per_rank()
     from fsdp_compile.testing import RankPool
 
     with RankPool(2, timeout_s=1800) as pool:

@@ -16,9 +16,10 @@ RSS follows tensor lifetimes.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
+
+from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 SETUPS = [
     (f"{name}, reshard={reshard}", kind, backend, reshard)
@@ -110,16 +111,15 @@ def measure_checkpointing(mode, backend: str | None, layers: int, dim: int, seq:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__, quick_help="4 layers of width 512 (a smoke run)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--quick", action="store_true", help="4 layers of width 512 (a smoke run)")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.dim, args.batch = 4, 512, 8
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    one_thread_per_rank()
     from fsdp_compile.testing import RankPool
 
     rows = []
@@ -130,8 +130,7 @@ def main(argv=None) -> None:
     layer_mib = rows[0][1][0]["layer_mib"]
     print(f"\n{args.layers}-layer {args.dim}-wide bias-free MLP, batch {args.batch}/rank, 2 ranks; "
           f"one gathered layer = {layer_mib:.0f} MiB\n")
-    print("| setup | kept after forward, MiB (layers) rank0 / rank1 | step peak, MiB rank0 / rank1 |")
-    print("|---|---|---|")
+    print(table_header('setup', 'kept after forward, MiB (layers) rank0 / rank1', 'step peak, MiB rank0 / rank1'))
     for label, per_rank in rows:
         kept = " / ".join(f"{r['kept_mib']:.0f} ({r['kept_mib'] / layer_mib:.1f})" for r in per_rank)
         peak = " / ".join(f"{r['peak_mib']:.0f}" for r in per_rank)
@@ -147,8 +146,7 @@ def main(argv=None) -> None:
                 ac_rows.append((f"ours {'compiled' if backend else 'eager'}", mode or "none", r))
     print(f"\nActivation checkpointing: Llama-style, {ac_layers} layers, dim {ac_dim}, seq {ac_seq}, "
           f"batch {ac_batch}/rank, 2 ranks (rank 0)\n")
-    print("| setup | checkpointing | kept after forward (MiB) | step peak (MiB) |")
-    print("|---|---|---|---|")
+    print(table_header('setup', 'checkpointing', 'kept after forward (MiB)', 'step peak (MiB)'))
     for setup, mode, r in ac_rows:
         print(f"| {setup} | {mode} | {r['kept_mib']:.0f} | {r['peak_mib']:.0f} |")
 

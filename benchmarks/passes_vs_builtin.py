@@ -32,8 +32,8 @@ The numbers are modelled, not measured.
 
 from __future__ import annotations
 
-import argparse
-import os
+
+from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 
 def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
@@ -120,8 +120,7 @@ def _variants(gm, profile: str, plans, peers: bool):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small model (2 layers, dim 128, seq 64) unless set below")
+    p = benchmark_parser(__doc__, quick_help="small model (2 layers, dim 128, seq 64) unless set below")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=None, help="default 4 (2 with --quick)")
     p.add_argument("--dim", type=int, default=None, help="default 512 (128 with --quick)")
@@ -130,7 +129,7 @@ def main(argv=None) -> None:
     for key, full, quick in (("layers", 4, 2), ("dim", 512, 128), ("seq", 256, 64)):
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    one_thread_per_rank()
 
     from benchmarks import _peers
     from fsdp_compile.passes.cost_model import PROFILES, collective_kind, simulate
@@ -152,8 +151,7 @@ def main(argv=None) -> None:
         print(skipped + "\n")
     for profile in PROFILES:
         print(f"### {profile}\n")
-        print("| graph | variant | collectives | step (ms) | communication (ms) | exposed (ms) | overlap | peak (MiB) |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(table_header('graph', 'variant', 'collectives', 'step (ms)', 'communication (ms)', 'exposed (ms)', 'overlap', 'peak (MiB)'))
         for name, gm in zip(("forward", "backward"), graphs):
             for variant, g in _variants(gm, profile, plans, peers=not skipped).items():
                 sim = simulate(g.graph, profile)

@@ -59,11 +59,11 @@ Llama-3-8B at 2 layers, N = 8 only (about 20 s).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field, replace
+
+from benchmarks._common import benchmark_parser, one_thread_per_rank
 
 SEQ_LEN = 8192
 BATCH = 1
@@ -536,8 +536,7 @@ HEADER = (
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="llama3-8b at 2 layers, N=8 only")
+    p = benchmark_parser(__doc__, quick_help="llama3-8b at 2 layers, N=8 only")
     p.add_argument("--models", nargs="+", choices=sorted(model_configs()), default=None)
     p.add_argument("--world-sizes", nargs="+", type=int, default=None)
     p.add_argument(
@@ -547,7 +546,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--layers", type=int, default=None, help="trace this many layers and report them as they are")
     args = p.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    one_thread_per_rank()
     start = time.perf_counter()
     out = tables(
         args.quick, models=args.models, world_sizes=args.world_sizes, extrapolate=args.extrapolate, layers=args.layers

@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 from benchmarks import _netns, step_time
+from benchmarks._common import benchmark_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PORT = 29500  # inside fresh namespaces: nothing else listens there
@@ -77,7 +78,7 @@ _DTYPES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__)
     step_time.add_model_args(p)
     p.add_argument("--rates", default="1gbit,10gbit", help="comma-separated tc rates; 'none' = unshaped veth")
     p.add_argument("--delay-us", type=float, default=50.0, help="netem delay per direction (where netem exists)")

@@ -75,6 +75,8 @@ import os
 import statistics
 import time
 
+from benchmarks._common import benchmark_parser
+
 # id (for --setups) -> (label, implementation, compiled, fsdp_compile.config changes)
 SETUPS = {
     "fsdp2-eager": ("fsdp2 eager", "fsdp2", False, {}),
@@ -108,7 +110,6 @@ def add_model_args(p: argparse.ArgumentParser, setups: list[str] | None = None) 
     """Model/step flags shared with ``benchmarks.shaped_link`` (unset ones come from FULL or QUICK);
     ``setups``: the default of ``--setups`` (``BASE_SETUPS`` if None)."""
     setups = BASE_SETUPS if setups is None else setups
-    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     for flag in FULL:
         p.add_argument(f"--{flag}", type=int, default=None, help=f"default {FULL[flag]} ({QUICK[flag]} with --quick)")
     p.add_argument("--setups", default=",".join(setups), help="comma-separated subset of: " + ", ".join(SETUPS))
@@ -120,7 +121,7 @@ def add_model_args(p: argparse.ArgumentParser, setups: list[str] | None = None) 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__, quick_help="tiny model, few steps (smoke run)")
     add_model_args(p, list(SETUPS))
     return p
 

@@ -1,4 +1,8 @@
-"""Rank-side: variable sequence length and batch size under torch.compile."""
+"""Rank-side: variable sequence length and batch size under torch.compile.
+
+A module of its own (not merged into tests/test_dynamic.py) because
+benchmarks/dynamic_shapes.py runs it too, where pytest need not be installed.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp_compile.testing import full_tensor
+from tests.models import compile_counting_graphs, fully_shard_of, shard_blocks
 
 LENGTHS = [16, 24, 40, 64, 96, 128, 200, 256]
 
@@ -16,16 +21,8 @@ LENGTHS = [16, 24, 40, 64, 96, 128, 200, 256]
 def _model(kind: str):
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from fsdp_compile import fully_shard
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(max_seq_len=256))
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+    return shard_blocks(Llama(LlamaConfig(max_seq_len=256)), fully_shard_of(kind))
 
 
 def _tokens(step: int, batch: int, length: int, rank_offset: int = 0) -> torch.Tensor:
@@ -39,13 +36,11 @@ def variable_lengths(kind: str = "ours", backend: str = "aot_eager", per_rank_le
 
     ``per_rank_lengths``: ranks see different lengths in the same step (rank 1: 8 tokens fewer).
     """
-    from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     counters.clear()  # graph-break counts are process-wide; count this run's only
     compiled_model, eager_model = _model(kind), _model(kind)
-    counter = CompileCounterWithBackend(backend)
-    run = torch.compile(compiled_model, backend=counter, dynamic=True if mark == "dynamic" else None)
+    run, counter = compile_counting_graphs(compiled_model, backend, dynamic=True if mark == "dynamic" else None)
     rank = dist.get_rank()
     gaps, compile_seconds, frames_by_step = [], [], []
     for step, length in enumerate(LENGTHS):

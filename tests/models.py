@@ -1,4 +1,7 @@
-"""Test models and data: the shipped reference models plus an awkward one, and batches."""
+"""Test models and data: the shipped reference models plus an awkward one, and batches;
+and the two steps nearly every test takes with a model: shard it per block
+(:func:`shard_blocks`) and compile it while counting Dynamo's graphs
+(:func:`compile_counting_graphs`). Module-level functions: they run on the ranks too."""
 
 from __future__ import annotations
 
@@ -6,9 +9,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_compile import fully_shard
 from fsdp_compile.testing.models import Llama, LlamaConfig, MLPStack
 
-__all__ = ["Llama", "LlamaConfig", "MLPStack", "Zoo", "build", "batch", "loss_fn"]
+__all__ = [
+    "Llama", "LlamaConfig", "MLPStack", "Zoo", "build", "batch", "loss_fn",
+    "shard_blocks", "fully_shard_of", "compile_counting_graphs",
+]
 
 
 class Zoo(nn.Module):
@@ -87,3 +94,38 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if name.startswith("llama"):
         return F.cross_entropy(out.flatten(0, 1), target.flatten())
     return F.mse_loss(out, target)
+
+
+def shard_blocks(model: nn.Module, shard_fn=fully_shard, *, blocks=None, **block_kwargs) -> nn.Module:
+    """Shard per block, then the root, as users do: ``shard_fn(block, **block_kwargs)``
+    for each of ``blocks`` (default: ``model.layers``), then ``shard_fn(model)`` with
+    the defaults. Returns ``model``.
+
+    ``shard_fn`` is our ``fully_shard`` unless given (e.g. torch's); the signature
+    ``(model, fully_shard)`` also makes this a ``shard_fn`` for
+    :func:`fsdp_compile.testing.assert_parity`."""
+    for block in model.layers if blocks is None else blocks:
+        shard_fn(block, **block_kwargs)
+    shard_fn(model)
+    return model
+
+
+def fully_shard_of(kind: str):
+    """``fully_shard`` of torch's FSDP2 for ``kind == "fsdp2"``, ours otherwise."""
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        return torch_fully_shard
+    return fully_shard
+
+
+def compile_counting_graphs(model: nn.Module, backend, **compile_kwargs):
+    """``(run, counter)``: ``model`` compiled with ``backend`` behind Dynamo's
+    ``CompileCounterWithBackend`` (its ``frame_count`` and ``graphs``), or
+    ``(model, None)`` for ``backend=None``: eager, nothing to count."""
+    if not backend:
+        return model, None
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend(backend)
+    return torch.compile(model, backend=counter, **compile_kwargs), counter

@@ -2,11 +2,148 @@
 
 from __future__ import annotations
 
-from tests import debug_jobs
+import time
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tests.models import shard_blocks
+
+
+# ---------------------------------------------------------------- on every rank
+
+class RankDependent(nn.Module):
+    """Rank 0 runs an extra sharded layer: its graph has more collectives."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.extra = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        if dist.get_rank() == 0:
+            x = self.extra(x)
+        return self.b(x)
+
+
+def run_rank_dependent_graph(backend: str = "inductor") -> tuple[str, float]:
+    from fsdp_compile import fully_shard
+
+    torch.manual_seed(0)
+    model = RankDependent()
+    for m in (model.a, model.extra, model.b, model):
+        fully_shard(m)
+    compiled = torch.compile(model, backend=backend)
+    start = time.perf_counter()
+    try:
+        compiled(torch.randn(2, 4)).sum().backward()
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return str(e), time.perf_counter() - start
+    return "no error", time.perf_counter() - start
+
+
+def compile_under_dump(path: str) -> list[str]:
+    import fsdp_compile.debug
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing.models import MLPStack
+
+    torch.manual_seed(0)
+    model = shard_blocks(MLPStack(dim=8, n_layers=3, bias=True), fully_shard)
+    with fsdp_compile.debug.dump(path) as here:
+        torch.compile(model)(torch.randn(2, 8)).sum().backward()
+    return sorted(str(p.relative_to(here)) for p in here.rglob("*") if p.is_file() and "depyf" not in p.parts) + [
+        f"depyf files: {sum(1 for _ in (here / 'depyf').rglob('*'))}"
+    ]
+
+
+class EagerLinear(nn.Linear):
+    """A layer whose forward Dynamo must not trace (as FSDP2's hooks are)."""
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        return super().forward(x)
+
+
+class BreaksInsideAUnit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = EagerLinear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def _our_warnings_from_a_step(model_class, then=None) -> list[str]:
+    """Our warnings while one aot_eager step of ``model_class()`` (``b`` and the root
+    sharded) runs, and ``then()`` after it."""
+    import warnings
+
+    from fsdp_compile import fully_shard
+
+    torch.manual_seed(0)
+    model = model_class()
+    fully_shard(model.b)
+    fully_shard(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 4)).sum().backward()
+        if then is not None:
+            then()
+    return [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]
+
+
+def _recompile_a_graph_of_units() -> None:
+    """Recompiles of a graph that holds units (no break of its own). Dynamo skips the
+    code of a frame it could not resume for the rest of the process, so start afresh."""
+    from fsdp_compile import fully_shard
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(2, 4)).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        compiled(torch.randn(2, 4))
+    compiled(torch.randn(3, 4))  # eval + new batch size: more recompiles
+
+
+def warnings_from_break_and_recompile() -> list[str]:
+    return _our_warnings_from_a_step(BreaksInsideAUnit, then=_recompile_a_graph_of_units)
+
+
+@torch._dynamo.disable
+def _eager_linear(x, module):
+    return torch.nn.functional.linear(x, module.weight)
+
+
+class ReadsAnotherUnitEagerly(nn.Module):
+    """The root's compiled forward calls eager code that reads another unit's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _eager_linear(self.a(x), self.b)
+
+
+def warnings_from_eager_gather() -> list[str]:
+    return _our_warnings_from_a_step(ReadsAnotherUnitEagerly)
+
+
+# ---------------------------------------------------------------- tests
 
 def test_rank_dependent_graph_raises_on_every_rank_instead_of_hanging(pool2):
-    results = pool2.run(debug_jobs.run_rank_dependent_graph, timeout_s=120)
+    results = pool2.run(run_rank_dependent_graph, timeout_s=120)
     for rank, (message, seconds) in enumerate(results):
         assert "ranks compiled different collective sequences for the forward graph" in message, message
         assert "First difference at collective #" in message
@@ -36,7 +173,7 @@ def test_fingerprint_is_rank_independent_despite_padding():
 def test_dump_writes_every_stage_per_rank(pool2, tmp_path):
     import json
 
-    listings = pool2.run(debug_jobs.compile_under_dump, str(tmp_path))
+    listings = pool2.run(compile_under_dump, str(tmp_path))
     for rank, files in enumerate(listings):
         assert int(files[-1].split(": ")[1]) > 0, "depyf wrote nothing"
         for kind in ("forward", "backward"):
@@ -85,7 +222,7 @@ def test_environment_variable_dump_and_torch_logs(tmp_path):
 
 
 def test_graph_break_and_recompile_warnings_name_the_unit(pool2):
-    messages = pool2.run(debug_jobs.warnings_from_break_and_recompile)[0]
+    messages = pool2.run(warnings_from_break_and_recompile)[0]
     breaks = [m for m in messages if "graph break in a compiled frame" in m]
     assert breaks and all("debug.dump" in m and "TORCH_LOGS=graph_breaks" in m for m in breaks)
     # The user's break is reported with the unit whose frame it split (the root's);
@@ -93,7 +230,7 @@ def test_graph_break_and_recompile_warnings_name_the_unit(pool2):
     assert any("graph_break()" in m and "'(root)'" in m for m in breaks), breaks
     eager_gathers = [m for m in messages if "graph break inside the sharded forward" in m]
     assert any("unit 'b'" in m and "'b.weight'" in m for m in eager_gathers), messages
-    eager = pool2.run(debug_jobs.warnings_from_eager_gather)[0]
+    eager = pool2.run(warnings_from_eager_gather)[0]
     eager = [m for m in eager if "graph break inside the sharded forward" in m]
     assert any("unit 'b'" in m and "'b.weight'" in m for m in eager), eager
     recompiles = [m for m in messages if "recompiling a graph" in m]

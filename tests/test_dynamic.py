@@ -11,6 +11,7 @@ from fsdp_compile.runtime.vocabulary import our_collectives
 from fsdp_compile.passes.cost_model import simulate
 from fsdp_compile.passes.reordering import reorder_for_overlap
 from tests import dynamic_jobs
+from tests.models import shard_blocks
 
 
 def test_eight_lengths_one_graph_bitwise_with_eager(pool2):
@@ -47,10 +48,7 @@ def test_passes_and_cost_model_on_symbolic_shapes(fake_pg):
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
     torch._dynamo.reset()
-    model = Llama(LlamaConfig(n_layers=2))
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = shard_blocks(Llama(LlamaConfig(n_layers=2)), fully_shard)
     capture = GraphCapture()
     torch.compile(model, backend=capture, dynamic=True)(torch.randint(0, 64, (2, 16))).sum().backward()
     forward = capture.forward_graphs[0]

@@ -4,14 +4,39 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compile import fully_shard, replicate
 from fsdp_compile.testing import RankFailure
-from tests import error_jobs
 from tests.models import MLPStack
 
+
+# ---------------------------------------------------------------- on every rank
+
+def shard_rank_dependent_model() -> str:
+    rank = dist.get_rank()
+    model = nn.Sequential()
+    model.layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8 + rank))
+    try:
+        fully_shard(model)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def fail_on_rank(bad_rank: int):
+    if dist.get_rank() == bad_rank:
+        return 1 / 0
+    dist.barrier()  # the healthy rank blocks in a collective, as it would in a real job
+
+
+def rank_and_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+# ---------------------------------------------------------------- tests
 
 def test_not_a_module(fake_pg):
     with pytest.raises(TypeError, match="expects an nn.Module"):
@@ -94,7 +119,7 @@ def test_no_process_group():
 
 def test_ranks_with_different_shapes_fail_together(pool2):
     """Both ranks raise (nobody hangs), naming the first mismatching parameter."""
-    results = pool2.run(error_jobs.shard_rank_dependent_model)
+    results = pool2.run(shard_rank_dependent_model)
     for rank, message in enumerate(results):
         assert "ranks hold different parameters" in message
         assert "'layers.1.weight'" in message
@@ -103,8 +128,8 @@ def test_ranks_with_different_shapes_fail_together(pool2):
 
 def test_pool_reports_failing_rank_and_recovers(pool2):
     with pytest.raises(RankFailure, match=r"(?s)rank 0 ---\ndid not answer.*rank 1 ---\n.*ZeroDivisionError"):
-        pool2.run(error_jobs.fail_on_rank, 1, timeout_s=60)
-    assert pool2.run(error_jobs.rank_and_world) == [(0, 2), (1, 2)]
+        pool2.run(fail_on_rank, 1, timeout_s=60)
+    assert pool2.run(rank_and_world) == [(0, 2), (1, 2)]
 
 
 def test_offload_policy_of_wrong_type(fake_pg):

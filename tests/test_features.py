@@ -3,9 +3,275 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from tests import feature_jobs
+from fsdp_compile.testing import full_parameters as _full_params
+from fsdp_compile.testing import full_tensor, global_mean
+from tests.models import batch, build, compile_counting_graphs, fully_shard_of, loss_fn, shard_blocks
+from tests.test_parity import train
 
+
+# ---------------------------------------------------------------- on every rank
+
+def _shard(units, kind: str = "ours") -> None:
+    fully_shard = fully_shard_of(kind)
+    for unit in units:
+        fully_shard(unit)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def _step(model, run, opt, name: str, step: int, clip: float | None = None):
+    x, y = batch(name, step)
+    loss = loss_fn(name, run(_local(x)), _local(y))
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip is not None else None
+    opt.step()
+    opt.zero_grad()
+    return global_mean(loss), norm
+
+
+def meta_init_matches_eager_init(name: str = "llama", steps: int = 3) -> dict:
+    """Meta build -> fully_shard -> to_empty -> load full weights, vs building on CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reference, _ = build(name)
+    full = {k: v.clone() for k, v in reference.state_dict().items()}
+    with torch.device("meta"):
+        model, units = build(name)
+    _shard(units)
+    model.to_empty(device="cpu")
+    model.rope_cos.copy_(reference.rope_cos)  # non-persistent buffers are not in a state dict
+    model.rope_sin.copy_(reference.rope_sin)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    eager, eager_units = build(name)
+    _shard(eager_units)
+    out = {}
+    for label, m in (("meta", model), ("eager", eager)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        run = torch.compile(m, backend="aot_eager")
+        losses = [_step(m, run, opt, name, s)[0] for s in range(steps)]
+        out[label] = (losses, _full_params(m))
+    return out
+
+
+def clip_grad_norm_matches_reference(name: str = "mlp", max_norm: float = 0.01) -> dict:
+    """clip_grad_norm_ on sharded gradients vs the unsharded model on the global batch."""
+    ref, _ = build(name)
+    model, units = build(name)
+    _shard(units)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(name, 0)
+    loss_fn(name, ref(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    ref_opt.step()
+    _, norm = _step(model, torch.compile(model, backend="inductor"), opt, name, 0, clip=max_norm)
+    norm = full_tensor(norm)
+    return {"ref_norm": ref_norm, "norm": norm, "ref": {n: p.detach().clone() for n, p in ref.named_parameters()}, "ours": _full_params(model)}
+
+
+def dcp_round_trip(path: str, name: str = "llama", kind: str = "ours") -> dict:
+    """Train 2 steps, save model + optimizer with DCP, train 1 more; then load into a fresh
+    model and optimizer and train that step again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def fresh():
+        model, units = build(name)
+        _shard(units, kind)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, torch.compile(model, backend="aot_eager"), opt
+
+    model, run, opt = fresh()
+    for s in range(2):
+        _step(model, run, opt, name, s)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    continued = _step(model, run, opt, name, 2)[0]
+    continued_params = _full_params(model)
+
+    model2, run2, opt2 = fresh()
+    model_sd, optim_sd = get_state_dict(model2, opt2)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed = _step(model2, run2, opt2, name, 2)[0]
+    return {"continued": (continued, continued_params), "resumed": (resumed, _full_params(model2))}
+
+
+def save_checkpoint(path: str, kind: str, name: str = "llama", steps: int = 2) -> dict:
+    """Train ``steps`` steps sharded by ``kind`` and save the model with DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model, units = build(name)
+    _shard(units, kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(steps):
+        _step(model, model, opt, name, s)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+    return _full_params(model)
+
+
+def load_checkpoint(path: str, kind: str, name: str = "llama") -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model, units = build(name)
+    _shard(units, kind)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    return _full_params(model)
+
+
+def gradient_accumulation(kind: str, backend: str | None, name: str = "llama", micro_batches: int = 4, steps: int = 2) -> dict:
+    """``steps`` optimizer steps of ``micro_batches`` micro-batches each; gradient sync only
+    on the last micro-batch of a step (``set_requires_gradient_sync``)."""
+    model, units = build(name)
+    _shard(units, kind)
+    run, counter = compile_counting_graphs(model, backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, frames_after_first_step = [], None
+    for step in range(steps):
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            x, y = batch(name, step * micro_batches + micro)
+            loss = loss_fn(name, run(_local(x)), _local(y)) / micro_batches
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if step == 0 and counter:
+            frames_after_first_step = counter.frame_count
+    return {
+        "losses": losses,
+        "params": _full_params(model),
+        "frames": (frames_after_first_step, counter.frame_count) if counter else None,
+    }
+
+
+def module_methods() -> dict:
+    """unshard/reshard, register_fsdp_forward_method and set_gradient_divide_factor."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compile import register_fsdp_forward_method
+    from fsdp_compile.testing.models import MLPStack
+
+    class WithMethod(MLPStack):
+        def first_layer_only(self, x):
+            return F.linear(x, self.layers[0].weight, self.layers[0].bias)
+
+    torch.manual_seed(0)
+    ref = WithMethod(dim=5, n_layers=2, bias=True)
+    torch.manual_seed(0)
+    model = shard_blocks(WithMethod(dim=5, n_layers=2, bias=True))
+    x = torch.randn(3, 5)
+    out: dict = {}
+    try:
+        model.first_layer_only(x)
+        out["unregistered"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["unregistered"] = type(e).__name__
+    register_fsdp_forward_method(model, "first_layer_only")
+    out["registered_matches"] = torch.equal(model.first_layer_only(x), ref.first_layer_only(x))
+
+    for layer in model.layers:
+        layer.unshard()
+    held = model.layers[0].weight
+    out["held_is_full_plain"] = type(held) is torch.Tensor and torch.equal(held, ref.layers[0].weight)
+    with torch.no_grad():
+        out["held_forward_matches"] = torch.allclose(model(x), ref(x))
+    for layer in model.layers:
+        layer.reshard()
+    out["resharded_is_dtensor"] = isinstance(model.layers[0].weight, DTensor)
+
+    model(x).sum().backward()
+    averaged = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for layer in model.layers:
+        layer.set_gradient_divide_factor(1.0)
+    model(x).sum().backward()
+    summed = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    out["divide_factor_1_sums"] = all(torch.equal(summed[n], 2 * averaged[n]) for n in summed)
+    return out
+
+
+def _adamw_llama(name: str = "llama"):
+    model, units = build(name)
+    _shard(units)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def save_then_continue(path: str, name: str = "llama", steps: int = 2) -> dict:
+    """Train ``steps`` steps, save model + optimizer with DCP, then train one more step:
+    that step's loss and the parameters after it are what a resumed run must reproduce."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _adamw_llama(name)
+    run = torch.compile(model, backend="aot_eager")
+    for s in range(steps):
+        _step(model, run, opt, name, s)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    saved = _full_params(model)
+    loss = _step(model, run, opt, name, steps)[0]
+    return {"saved": saved, "loss": loss, "params": _full_params(model)}
+
+
+def resume(path: str, name: str = "llama", step: int = 2) -> dict:
+    """Load model + optimizer from ``path`` (saved at any world size) and train step ``step``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _adamw_llama(name)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _full_params(model)
+    loss = _step(model, torch.compile(model, backend="aot_eager"), opt, name, step)[0]
+    return {"loaded": loaded, "loss": loss, "params": _full_params(model), "world_size": dist.get_world_size()}
+
+
+def saved_activation_bytes(name: str) -> int:
+    """Bytes of distinct storages autograd saves outside checkpointed regions in one
+    eager forward (checkpoint's own hooks take over inside its regions)."""
+    model, units = build(name)
+    _shard(units)
+    x, _ = batch(name, 0)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(_local(x)).sum()
+    return sum(seen.values())
+
+
+def compiled_saved_bytes(name: str) -> int:
+    """Bytes the compiled forward graph hands to the backward (its outputs after the
+    model's own), with AOTAutograd's min-cut partitioner as under Inductor."""
+    from tests.test_layouts import _capturing_backend
+
+    model, units = build(name)
+    _shard(units)
+    graphs: list = []
+    x, _ = batch(name, 0)
+    torch.compile(model, backend=_capturing_backend(graphs))(_local(x)).sum().backward()
+    outputs = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0]
+    saved = [n.meta.get("val") for n in outputs[1:]]
+    return sum(t.numel() * t.element_size() for t in saved if isinstance(t, torch.Tensor))
+
+
+# ---------------------------------------------------------------- tests
 
 def _equal(a: dict, b: dict, **tol) -> None:
     assert a.keys() == b.keys()
@@ -14,7 +280,7 @@ def _equal(a: dict, b: dict, **tol) -> None:
 
 
 def test_meta_device_init_matches_eager_init(pool2):
-    for result in pool2.run(feature_jobs.meta_init_matches_eager_init):
+    for result in pool2.run(meta_init_matches_eager_init):
         meta_losses, meta_params = result["meta"]
         eager_losses, eager_params = result["eager"]
         assert meta_losses == eager_losses
@@ -22,14 +288,14 @@ def test_meta_device_init_matches_eager_init(pool2):
 
 
 def test_clip_grad_norm_matches_unsharded_reference(pool2):
-    result = pool2.run(feature_jobs.clip_grad_norm_matches_reference)[0]
+    result = pool2.run(clip_grad_norm_matches_reference)[0]
     torch.testing.assert_close(result["norm"], result["ref_norm"], rtol=1e-5, atol=1e-7)
     assert result["ref_norm"] > 0.01  # clipping is active (max_norm=0.01)
     _equal(result["ours"], result["ref"], rtol=1e-5, atol=1e-6)
 
 
 def test_dcp_round_trip_model_and_optimizer_is_bitwise(pool2, tmp_path):
-    for result in pool2.run(feature_jobs.dcp_round_trip, str(tmp_path / "ckpt")):
+    for result in pool2.run(dcp_round_trip, str(tmp_path / "ckpt")):
         continued_loss, continued = result["continued"]
         resumed_loss, resumed = result["resumed"]
         assert resumed_loss == continued_loss
@@ -39,17 +305,17 @@ def test_dcp_round_trip_model_and_optimizer_is_bitwise(pool2, tmp_path):
 def test_checkpoints_cross_load_with_torch_fsdp2(pool2, tmp_path):
     for writer, reader in (("ours", "fsdp2"), ("fsdp2", "ours")):
         path = str(tmp_path / f"{writer}_to_{reader}")
-        saved = pool2.run(feature_jobs.save_checkpoint, path, writer)[0]
-        loaded = pool2.run(feature_jobs.load_checkpoint, path, reader)[0]
+        saved = pool2.run(save_checkpoint, path, writer)[0]
+        loaded = pool2.run(load_checkpoint, path, reader)[0]
         _equal(loaded, saved)
 
 
 def test_gradient_accumulation_matches_torch_fsdp2(pool2):
     """4 micro-batches per step (sync on the last), 2 steps: same parameters as FSDP2."""
-    fsdp2 = pool2.run(feature_jobs.gradient_accumulation, "fsdp2", None)[0]
-    eager = pool2.run(feature_jobs.gradient_accumulation, "ours", None)[0]
-    compiled = pool2.run(feature_jobs.gradient_accumulation, "ours", "aot_eager")[0]
-    inductor = pool2.run(feature_jobs.gradient_accumulation, "ours", "inductor")[0]
+    fsdp2 = pool2.run(gradient_accumulation, "fsdp2", None)[0]
+    eager = pool2.run(gradient_accumulation, "ours", None)[0]
+    compiled = pool2.run(gradient_accumulation, "ours", "aot_eager")[0]
+    inductor = pool2.run(gradient_accumulation, "ours", "inductor")[0]
     _equal(compiled["params"], eager["params"])  # same ops: bitwise
     assert compiled["losses"] == eager["losses"]
     for result in (eager, inductor):
@@ -62,7 +328,7 @@ def test_gradient_accumulation_matches_torch_fsdp2(pool2):
 
 
 def test_fsdp_module_methods(pool2):
-    for result in pool2.run(feature_jobs.module_methods):
+    for result in pool2.run(module_methods):
         assert result["unregistered"] != "no error"  # a unit's weight read outside any forward: sharded
         assert result["registered_matches"]
         assert result["held_is_full_plain"] and result["held_forward_matches"]
@@ -74,15 +340,13 @@ def test_activation_checkpointing_eager_is_bitwise_equal_to_no_checkpointing(poo
     """torch.utils.checkpoint (full, and selective: matmul outputs saved) inside each
     sharded decoder layer, eager: recomputation re-gathers the layer's weights and gives
     exactly the same training, while saving fewer activations."""
-    from tests import parity_jobs
-
-    without = pool2.run(parity_jobs.train, "llama", "ours-eager")[0]
-    saved_without = pool2.run(feature_jobs.saved_activation_bytes, "llama")[0]
+    without = pool2.run(train, "llama", "ours-eager")[0]
+    saved_without = pool2.run(saved_activation_bytes, "llama")[0]
     for name in ("llama_ac", "llama_sac"):
-        with_ac = pool2.run(parity_jobs.train, name, "ours-eager")[0]
+        with_ac = pool2.run(train, name, "ours-eager")[0]
         assert with_ac["loss"] == without["loss"], name
         _equal(with_ac["params"][-1], without["params"][-1])
-        saved = pool2.run(feature_jobs.saved_activation_bytes, name)[0]
+        saved = pool2.run(saved_activation_bytes, name)[0]
         assert saved < saved_without, (name, saved, saved_without)
 
 
@@ -90,17 +354,15 @@ def test_activation_checkpointing_under_compile(pool2):
     """The same checkpointed model compiled: aot_eager trains bitwise like eager without
     checkpointing, Inductor to fp32 rounding, in one graph; and the compiled forward
     hands the backward fewer bytes (full < selective < none)."""
-    from tests import parity_jobs
-
-    without = pool2.run(parity_jobs.train, "llama", "ours-eager")[0]
+    without = pool2.run(train, "llama", "ours-eager")[0]
     for name in ("llama_ac", "llama_sac"):
-        compiled = pool2.run(parity_jobs.train, name, "ours-aot_eager")[0]
+        compiled = pool2.run(train, name, "ours-aot_eager")[0]
         assert compiled["loss"] == without["loss"], name
         _equal(compiled["params"][-1], without["params"][-1])
-        inductor = pool2.run(parity_jobs.train, name, "ours-inductor")[0]
+        inductor = pool2.run(train, name, "ours-inductor")[0]
         _equal(inductor["params"][-1], without["params"][-1], rtol=1e-5, atol=1e-6)
         assert compiled["frames"] == inductor["frames"] == 1
-    saved = {name: pool2.run(feature_jobs.compiled_saved_bytes, name)[0] for name in ("llama", "llama_sac", "llama_ac")}
+    saved = {name: pool2.run(compiled_saved_bytes, name)[0] for name in ("llama", "llama_sac", "llama_ac")}
     assert saved["llama_ac"] < saved["llama_sac"] < saved["llama"], saved
 
 
@@ -109,9 +371,9 @@ def test_checkpoint_saved_at_two_ranks_resumes_at_one_and_four(pool2, rank_pools
     1 and 4, and the next step gives the loss and update of the run that went on at 2
     (to fp32 rounding: the global batch is split differently, so reductions differ)."""
     path = str(tmp_path / "ws2")
-    straight = pool2.run(feature_jobs.save_then_continue, path)[0]
+    straight = pool2.run(save_then_continue, path)[0]
     for world_size in (1, 4):
-        results = rank_pools(world_size).run(feature_jobs.resume, path)
+        results = rank_pools(world_size).run(resume, path)
         for result in results:
             assert result["world_size"] == world_size
             _equal(result["loaded"], straight["saved"])

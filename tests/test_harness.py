@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from fsdp_compile.testing import ParityError, assert_parity
-from tests import harness_fns
+from tests.models import MLPStack, shard_blocks
 
+
+# ---------------------------------------------------------------- on every rank (model, data, loss)
+
+def build_mlp():
+    torch.manual_seed(0)
+    return MLPStack(dim=6, n_layers=3, bias=True)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+
+
+def mse(output, target):
+    return F.mse_loss(output, target)
+
+
+# ---------------------------------------------------------------- tests
 
 def test_parity_against_reference_and_fsdp2(pool2):
     for reference in ("single_process", "fsdp2"):
         report = assert_parity(
-            harness_fns.build_mlp,
-            harness_fns.batch,
-            harness_fns.mse,
-            shard_fn=harness_fns.shard_mlp,
+            build_mlp,
+            batch,
+            mse,
+            shard_fn=shard_blocks,
             backends=("eager", "aot_eager"),
             reference=reference,
             pool=pool2,
@@ -27,10 +47,10 @@ def test_a_gap_is_reported_with_step_and_parameter(pool2):
     pattern = r"ours:eager: (parameter 'layers\.\d\.(weight|bias)' after step \d differs .* by up to|loss at step \d is .* \(gap )"
     with pytest.raises(ParityError, match=pattern):
         assert_parity(
-            harness_fns.build_mlp,
-            harness_fns.batch,
-            harness_fns.mse,
-            shard_fn=harness_fns.shard_mlp,
+            build_mlp,
+            batch,
+            mse,
+            shard_fn=shard_blocks,
             backends=("eager",),
             rtol=0,
             atol=0,
@@ -39,7 +59,7 @@ def test_a_gap_is_reported_with_step_and_parameter(pool2):
 
 
 def test_pytest_plugin_pools_by_world_size(rank_pools):
-    from tests import error_jobs
+    from tests.test_errors import rank_and_world
 
-    assert rank_pools(2).run(error_jobs.rank_and_world) == [(0, 2), (1, 2)]
+    assert rank_pools(2).run(rank_and_world) == [(0, 2), (1, 2)]
     assert rank_pools(2) is rank_pools(2)

@@ -7,12 +7,77 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from tests import layout_jobs, parity_jobs
-from tests.test_parity import _assert_records_equal
+from tests.models import batch, build, loss_fn
+from tests.test_parity import OURS, _assert_records_equal, _shard_model, train_all
 
-OURS = ["ours-eager", "ours-aot_eager", "ours-inductor"]
 
+# ---------------------------------------------------------------- on every rank
+
+def _capturing_backend(graphs: list):
+    """aot_eager that also keeps the forward and backward graphs it compiles."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+
+
+def _collectives(gm) -> list[tuple[str, str, int]]:
+    """(op, group name, world size or -1) of every functional collective, in graph order."""
+    out = []
+    for node in gm.graph.nodes:
+        target = getattr(node.target, "_opname", "")
+        if node.op == "call_function" and str(node.target).startswith("_c10d_functional.") and target != "wait_tensor":
+            size = node.args[-2] if isinstance(node.args[-2], int) else -1
+            out.append((target, node.args[-1], size))
+    return out
+
+
+def placements_and_graph(layout: str) -> dict:
+    """Shard the small Llama with ``layout``, run one compiled step; report the
+    parameters' placements and devices, the gradients' and optimizer state's
+    devices, the mesh groups and the compiled graphs' collectives and copies."""
+    from fsdp_compile._compat import group_name_of
+
+    model, units = build("llama")
+    _shard_model("ours", units, None, layout)
+    graphs: list = []
+    run = torch.compile(model, backend=_capturing_backend(graphs), fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch("llama", 0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss_fn("llama", run(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    opt.step()
+    dp = model._fsdp_unit.dp_mesh
+    groups = {"shard": dp.shard_group_name, "replicate": dp.replicate_group_name}
+    mesh = dp.mesh
+    assert all(group_name_of(mesh.get_group(n)) == groups[n] for n in mesh.mesh_dim_names or [])
+    device_copies = [
+        str(n.target)
+        for gm in graphs
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and (n.target is torch.ops.prims.device_put.default or (n.target is torch.ops.aten._to_copy.default and "device" in n.kwargs))
+    ]
+    return {
+        "placements": {fqn: [str(pl) for pl in p.placements] for fqn, p in model.named_parameters()},
+        "param_devices": {p.to_local().device.type for p in model.parameters()},
+        "grad_devices": {p.grad.to_local().device.type for p in model.parameters()},
+        "state_devices": {t.device.type for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.ndim > 0},
+        "groups": groups,
+        "forward": _collectives(graphs[0]),
+        "backward": _collectives(graphs[1]),
+        "device_copies": device_copies,
+    }
+
+
+# ---------------------------------------------------------------- tests
 
 def _check_parity(per_rank: list, variants: list) -> None:
     for other in per_rank[1:]:  # every rank reports the same full parameters and losses
@@ -36,11 +101,11 @@ def pool4(rank_pools):
 
 def test_hsdp_2x2_matches_reference_and_torch_hsdp(pool4):
     variants = ["reference", *OURS, "fsdp2"]
-    _check_parity(pool4.run(parity_jobs.train_all, "llama", variants, 3, False, None, "hsdp"), variants)
+    _check_parity(pool4.run(train_all, "llama", variants, 3, False, None, "hsdp"), variants)
 
 
 def test_hsdp_shards_over_dim_1_and_all_reduces_over_dim_0(pool4):
-    for rank, info in enumerate(pool4.run(layout_jobs.placements_and_graph, "hsdp")):
+    for rank, info in enumerate(pool4.run(placements_and_graph, "hsdp")):
         assert set(map(tuple, info["placements"].values())) == {("R", "S(0)")}
         shard, replicate = info["groups"]["shard"], info["groups"]["replicate"]
         assert {(op, g, n) for op, g, n in info["forward"]} == {("all_gather_into_tensor", shard, 2)}, rank
@@ -54,8 +119,8 @@ def test_hsdp_shards_over_dim_1_and_all_reduces_over_dim_0(pool4):
 
 def test_replicate_matches_reference_and_torch_replicate(pool2):
     variants = ["reference", *OURS, "fsdp2"]
-    _check_parity(pool2.run(parity_jobs.train_all, "llama", variants, 3, False, None, "ddp"), variants)
-    info = pool2.run(layout_jobs.placements_and_graph, "ddp")[0]
+    _check_parity(pool2.run(train_all, "llama", variants, 3, False, None, "ddp"), variants)
+    info = pool2.run(placements_and_graph, "ddp")[0]
     assert set(map(tuple, info["placements"].values())) == {("R",)}
     assert info["forward"] == []  # nothing to gather
     assert {op for op, _, _ in info["backward"]} == {"all_reduce"}
@@ -65,8 +130,8 @@ def test_cpu_offload_placement_and_parity(pool2):
     """On a CPU-only machine the compute device is the CPU too: shards, gradients and
     optimizer state stay on the CPU, and the graph holds no device copy."""
     variants = ["reference", *OURS, "fsdp2"]
-    _check_parity(pool2.run(parity_jobs.train_all, "llama", variants, 3, False, None, "offload"), variants)
-    info = pool2.run(layout_jobs.placements_and_graph, "offload")[0]
+    _check_parity(pool2.run(train_all, "llama", variants, 3, False, None, "offload"), variants)
+    info = pool2.run(placements_and_graph, "offload")[0]
     assert info["param_devices"] == info["grad_devices"] == info["state_devices"] == {"cpu"}
     assert info["device_copies"] == []
 

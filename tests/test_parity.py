@@ -4,14 +4,110 @@ Eager-ours vs compiled-ours (aot_eager) is bitwise: the same ops run. Every
 sharded variant matches a single-process unsharded reference on the same
 global batch to fp32 rounding (the global mean is computed in a different
 order), and so does torch's own FSDP2 where it can run the model.
+
+The rank-side functions (module-level, so they pickle) come first; the layout,
+mixed-precision and feature tests run them too.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from tests import parity_jobs
+from fsdp_compile.testing import full_parameters, global_mean
+from tests.models import batch, build, compile_counting_graphs, loss_fn
+
+
+# ---------------------------------------------------------------- on every rank
+
+COMPILE_BACKENDS = {"ours-eager": None, "ours-aot_eager": "aot_eager", "ours-inductor": "inductor", "fsdp2": None}
+
+
+MIXED_PRECISION = {
+    None: None,
+    "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16-reduce-bf16": dict(param_dtype=torch.bfloat16),
+}
+
+
+def _shard_model(variant: str, units, mp: str | None = None, layout: str = "fsdp") -> None:
+    """Shard ``units`` bottom-up. ``layout``: ``fsdp`` (1-D mesh), ``hsdp`` (2 x world/2
+    mesh, replicate x shard), ``ddp`` (``replicate``) or ``offload`` (``CPUOffloadPolicy``)."""
+    if variant == "reference":
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    if variant == "fsdp2":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fsdp_compile import fully_shard, replicate
+    policy = MixedPrecisionPolicy(**(MIXED_PRECISION[mp] or {}))
+    kwargs = {}
+    if layout == "hsdp":
+        shape = (2, dist.get_world_size() // 2)
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    elif layout == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    apply = replicate if layout == "ddp" else fully_shard
+    for unit in units:
+        apply(unit, mp_policy=policy, **kwargs)
+
+
+def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: str | None = None, layout: str = "fsdp") -> dict:
+    """Train ``name`` for ``steps`` SGD steps under ``variant``; the full parameters after each.
+
+    ``reference`` is one unsharded model on the global batch (computed on every
+    rank, without communication); the others shard it over the pool's ranks and
+    feed each rank its slice of the same global batch.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, units = build(name)
+    _shard_model(variant, units, mp, layout)
+    run, counter = compile_counting_graphs(model, COMPILE_BACKENDS.get(variant), fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sharded = variant != "reference"
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(world_size)[rank] if sharded else t
+
+    record: dict = {"loss": [], "params": [], "buffers": [], "eval_out": None}
+
+    def train_step(step: int) -> None:
+        x, y = batch(name, step)
+        loss = loss_fn(name, run(local(x)), local(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        record["loss"].append(global_mean(loss) if sharded else loss.item())
+        record["params"].append(full_parameters(model))
+        record["buffers"].append({fqn: b.detach().clone() for fqn, b in model.named_buffers()})
+
+    for step in range(steps):
+        train_step(step)
+    if with_eval:
+        model.eval()
+        x, _ = batch(name, 99)
+        with torch.no_grad():
+            out = run(local(x))
+        if sharded:
+            pieces = [torch.empty_like(out) for _ in range(world_size)]
+            dist.all_gather(pieces, out.contiguous())
+            out = torch.cat(pieces)
+        record["eval_out"] = out
+        model.train()
+        train_step(steps)
+    record["frames"] = counter.frame_count if counter else None
+    return record
+
+
+def train_all(name: str, variants: list[str], steps: int = 3, with_eval: bool = False, mp: str | None = None, layout: str = "fsdp") -> dict:
+    return {v: train(name, v, steps, with_eval, mp, layout) for v in variants}
+
+
+# ---------------------------------------------------------------- tests
 
 OURS = ["ours-eager", "ours-aot_eager", "ours-inductor"]
 CASES = {
@@ -30,7 +126,7 @@ def results(pool2, request):
     name = request.param
     if name not in _cache:
         variants, with_eval = CASES[name]
-        per_rank = pool2.run(parity_jobs.train_all, name, variants, STEPS, with_eval)
+        per_rank = pool2.run(train_all, name, variants, STEPS, with_eval)
         # Every rank reports the same full parameters and global losses.
         for variant in variants:
             _assert_records_equal(per_rank[0][variant], per_rank[1][variant], exact=True)

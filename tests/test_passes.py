@@ -97,16 +97,44 @@ def test_registration_chains_with_a_user_pass_and_is_idempotent():
 
 # ---------------------------------------------------------------- post-grad passes
 
+import copy  # noqa: E402
+
 import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from fsdp_compile.passes.bucketing import bucket_collectives, plan_buckets  # noqa: E402
 from fsdp_compile.runtime.vocabulary import our_collectives  # noqa: E402
 from fsdp_compile.passes.pinning import schedule_constraints  # noqa: E402
 from fsdp_compile.passes.reordering import reorder_for_overlap, tail_of  # noqa: E402
-from tests import pass_jobs  # noqa: E402
 from tests.pass_graphs import build_unit_graph, node_signature  # noqa: E402
 
 N_UNITS = 3
+
+
+def outputs_before_and_after_passes(bias_dtype: torch.dtype = torch.float32) -> dict:
+    """On every rank: run a hand-built graph before and after each pass on real data."""
+    from fsdp_compile.passes.pinning import pin_schedule
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    gm, shapes = build_unit_graph(world_size, rank, group_name, bias_dtype=bias_dtype)
+    gen = torch.Generator().manual_seed(rank)
+    dtypes = [n.meta["val"].dtype for n in gm.graph.find_nodes(op="placeholder")]
+    inputs = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+
+    results = {"original": gm(*inputs)}
+    bucketed = copy.deepcopy(gm)
+    bucket_collectives(bucketed.graph)
+    bucketed.recompile()
+    results["bucketed"] = bucketed(*inputs)
+    reordered = copy.deepcopy(bucketed)
+    reorder_for_overlap(reordered.graph)
+    reordered.recompile()
+    results["reordered"] = reordered(*inputs)
+    pin_schedule(reordered.graph)
+    reordered.recompile()
+    results["pinned"] = reordered(*inputs)
+    return results
 
 
 def _sequence(graph):
@@ -250,7 +278,7 @@ def test_pinning_constraints_follow_the_schedule():
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float64])
 def test_passes_keep_results_bitwise_on_two_ranks(pool2, bias_dtype):
-    for rank, results in enumerate(pool2.run(pass_jobs.outputs_before_and_after_passes, bias_dtype)):
+    for rank, results in enumerate(pool2.run(outputs_before_and_after_passes, bias_dtype)):
         for stage in ("bucketed", "reordered", "pinned"):
             assert len(results[stage]) == len(results["original"])
             for i, (a, b) in enumerate(zip(results["original"], results[stage])):

@@ -15,8 +15,130 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 from fsdp_compile.testing import assert_parity  # noqa: E402
-from tests import hf_models  # noqa: E402
+from tests.models import shard_blocks  # noqa: E402
+
+
+# ---------------------------------------------------------------- models (module-level: they run on the ranks)
+# Each model is built from a config (no download), seeded, with dropout off so that
+# every variant computes the same function; ``shard_per_block`` applies ``fully_shard``
+# per block, then to the root, as users do.
+
+VOCAB, SEQ, GLOBAL_BATCH = 128, 16, 4
+
+
+def _seeded(build):
+    torch.manual_seed(0)
+    return build()
+
+
+def dense_gqa():
+    """Qwen2: grouped-query attention (4 query heads, 2 key/value heads), q/k/v biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        attn_implementation="sdpa",
+    )
+    return _seeded(lambda: Qwen2ForCausalLM(config))
+
+
+def moe():
+    """Qwen2-MoE: 4 experts (3-D parameters), top-2 router, a shared expert whose gate is
+    a ``(1, hidden)`` Linear (fewer dim-0 rows than ranks)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        max_position_embeddings=SEQ, attn_implementation="sdpa",
+    )
+    return _seeded(lambda: Qwen2MoeForCausalLM(config))
+
+
+def gpt2():
+    """GPT-2: Conv1D layers (transposed weights), tied LM head, computing its own loss
+    (``labels=``), whose logger call is a graph break of its own, even unsharded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class GPT2WithItsOwnLoss(GPT2LMHeadModel):
+        def forward(self, input_ids):
+            return super().forward(input_ids=input_ids, labels=input_ids)
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return _seeded(lambda: GPT2WithItsOwnLoss(config))
+
+
+def bert_mlm():
+    """BERT, encoder only, with the masked-LM head tied to the word embedding."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+    )
+    return _seeded(lambda: BertForMaskedLM(config))
+
+
+def llama_checkpointed():
+    """A Llama with ``transformers``' own gradient checkpointing (non-reentrant), which
+    checkpoints around each decoder layer's call: around each sharded unit. Its warning
+    that the cache is off is a logger call: a graph break of its own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        attn_implementation="sdpa",
+    )
+    model = _seeded(lambda: LlamaForCausalLM(config))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def blocks(model) -> list:
+    """The repeated blocks of any model above."""
+    for path in ("model.layers", "transformer.h", "bert.encoder.layer"):
+        node = model
+        try:
+            for name in path.split("."):
+                node = getattr(node, name)
+        except AttributeError:
+            continue
+        return list(node)
+    raise ValueError(f"no known block list in {type(model).__name__}")
+
+
+def shard_per_block(model, fully_shard) -> None:
+    shard_blocks(model, fully_shard, blocks=blocks(model))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def token_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits (next-token for decoders, per-token for BERT), or the
+    model's own loss where it computed one."""
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------- tests
 
 # model: torch.compile arguments (fullgraph where the unsharded model compiles to one graph)
 MODELS = {
@@ -26,15 +148,16 @@ MODELS = {
     "bert_mlm": {"fullgraph": True},
     "llama_checkpointed": {},
 }
+BUILDERS = {"dense_gqa": dense_gqa, "moe": moe, "gpt2": gpt2, "bert_mlm": bert_mlm, "llama_checkpointed": llama_checkpointed}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_real_model_trains_like_reference_without_extra_graphs(pool2, name):
     report = assert_parity(
-        getattr(hf_models, name),
-        hf_models.batch,
-        hf_models.token_loss,
-        shard_fn=hf_models.shard_per_block,
+        BUILDERS[name],
+        batch,
+        token_loss,
+        shard_fn=shard_per_block,
         backends=("inductor",),
         steps=3,
         rtol=1e-5,

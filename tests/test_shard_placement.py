@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compile.testing import assert_parity
-from tests.harness_fns import batch, build_mlp, mse
+from tests.test_harness import batch, build_mlp, mse
 
 
 def _matrices_on_dim_1(param):

@@ -13,7 +13,7 @@ import fsdp_compile
 from fsdp_compile import FSDPModule, fully_shard
 from fsdp_compile._compat import c10d_functional
 from fsdp_compile.testing import GraphCapture, collective_nodes, saved_all_gathers
-from tests.models import Llama, LlamaConfig, MLPStack, build
+from tests.models import Llama, LlamaConfig, MLPStack, build, shard_blocks
 
 ALL_GATHER = c10d_functional.all_gather_into_tensor
 REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor
@@ -117,10 +117,7 @@ def test_reshard_after_forward_in_graphs(fake_pg, partitioner, reshard):
     """True: no gathered parameter is a forward output; the backward re-gathers
     each weight it needs. False: gathered weights are saved; no re-gather."""
     n_layers = 4
-    model = MLPStack(dim=16, n_layers=n_layers)
-    for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model)
+    model = shard_blocks(MLPStack(dim=16, n_layers=n_layers), reshard_after_forward=reshard)
     fw, bw = _compiled_step_graphs(model, torch.randn(2, 16, requires_grad=True), partitioner)
     assert len(collective_nodes(fw, ALL_GATHER)) == n_layers
     assert len(collective_nodes(bw, REDUCE_SCATTER)) == n_layers
@@ -134,20 +131,14 @@ def test_reshard_after_forward_in_graphs(fake_pg, partitioner, reshard):
 
 def test_first_layer_weight_not_regathered_without_input_grad(fake_pg):
     """Layer 0's weight is only needed in backward for the input's gradient."""
-    model = MLPStack(dim=16, n_layers=3)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = shard_blocks(MLPStack(dim=16, n_layers=3))
     fw, bw = _compiled_step_graphs(model, torch.randn(2, 16), "min_cut")
     assert saved_all_gathers(fw) == []
     assert len(collective_nodes(bw, ALL_GATHER)) == 2
 
 
 def test_llama_compiles_to_one_graph(fake_pg):
-    model = Llama(LlamaConfig(n_layers=4))
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = shard_blocks(Llama(LlamaConfig(n_layers=4)))
     tokens = torch.randint(0, 64, (2, 16))
     fw, bw = _compiled_step_graphs(model, tokens, "min_cut")
     n_params = len(list(model.parameters()))
@@ -242,10 +233,7 @@ def test_eager_reshard_after_forward(fake_pg, reshard):
     unit are freed after forward and gathered again in backward."""
     import gc
 
-    model = MLPStack(dim=16, n_layers=4)
-    for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model)
+    model = shard_blocks(MLPStack(dim=16, n_layers=4), reshard_after_forward=reshard)
     forward_log, backward_log = _CollectiveLog(), _CollectiveLog()
     with forward_log:
         loss = model(torch.randn(2, 16)).sum()
@@ -260,10 +248,7 @@ def test_eager_reshard_after_forward(fake_pg, reshard):
 
 
 def test_set_reshard_after_forward_changes_the_backward_graph(fake_pg):
-    model = MLPStack(dim=16, n_layers=3)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = shard_blocks(MLPStack(dim=16, n_layers=3))
     model.set_reshard_after_forward(False)
     fw, bw = _compiled_step_graphs(model, torch.randn(2, 16, requires_grad=True), "min_cut")
     assert collective_nodes(bw, ALL_GATHER) == [] and len(saved_all_gathers(fw)) == 3
