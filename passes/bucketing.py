@@ -12,6 +12,9 @@ Copies (one pass over the bytes each way, as FSDP2's copy-in/copy-out):
   (``local bytes``; the runtime's per-parameter padding ``pad_dim0`` is folded in); copy-out takes each member's column block of the
   ``[world_size, total]`` result into its own contiguous tensor (``gathered
   bytes``), since each member's rows are spread over every rank's block.
+* all-reduce (HSDP's replicate dimension, replicated parameters): the members'
+  gradients back to back (the all-gather copy-in without padding), one
+  all-reduce, each member a slice of the result; issued where the last member was.
 * reduce-scatter: copy-in lays each member's (zero-padded) gradient, viewed as
   ``[world_size, numel / world_size]``, side by side into ``[world_size, total]``
   (``gathered bytes``, padding folded in as well); copy-out is
@@ -42,6 +45,7 @@ from fsdp_compile.passes.graph_utils import emit, inputs_after, move_before
 from fsdp_compile.runtime import bucket_copies  # noqa: F401  (registers the copy-in ops)
 from fsdp_compile.runtime.vocabulary import (
     ALL_GATHER,
+    ALL_REDUCE,
     REDUCE_SCATTER,
     WAIT,
     Collective,
@@ -204,6 +208,29 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
     _erase_members(graph, members)
 
 
+def _merge_all_reduce(graph: fx.Graph, bucket: Bucket) -> None:
+    """Gradients all-reduced (HSDP's replicate dimension, replicated parameters): members
+    back to back in one flat buffer (the all-gather copy-in's layout, without padding),
+    one all-reduce, then each member's slice. Issued where the last member was."""
+    members = bucket.members
+    group, op = members[0].group_name, members[0].reduce_op
+    numels = [m.input_numel for m in members]
+    tag = _bucket_tag(bucket)
+    with graph.inserting_before(members[-1].issue):
+        copy_in = emit(graph, ALL_GATHER_COPY_IN, ([m.input for m in members], numels), tag=tag)
+        issue = emit(graph, ALL_REDUCE, (copy_in, op, group), tag=tag)
+        wait = emit(graph, WAIT, (issue,), tag=tag)
+        offset = 0
+        for m, numel in zip(members, numels):
+            piece = emit(graph, aten.slice.Tensor, (wait, 0, offset, offset + numel), tag=tag)
+            offset += numel
+            m.wait.replace_all_uses_with(emit(graph, aten.view.default, (piece, list(val(m.wait).shape)), tag=tag))
+    _erase_members(graph, members)
+
+
+_MERGE = {"all_gather": _merge_all_gather, "reduce_scatter": _merge_reduce_scatter, "all_reduce": _merge_all_reduce}
+
+
 def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:
     """Rewrite ``graph`` so each multi-member bucket is one collective (see module docstring)."""
     for bucket in buckets:
@@ -217,18 +244,15 @@ def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:
             bucket.input_bytes,
             ", ".join(m.tag.param_fqn for m in bucket.members),
         )
-        if len(bucket.members) < 2:
-            continue
-        if bucket.kind == "all_gather":
-            _merge_all_gather(graph, bucket)
-        else:
-            _merge_reduce_scatter(graph, bucket)
+        if len(bucket.members) >= 2:
+            _MERGE[bucket.kind](graph, bucket)
     stable_topological_sort(graph)
     graph.lint()
 
 
 def bucket_collectives(graph: fx.Graph, cap_bytes: int | None = None) -> list[Bucket]:
-    """Plan and apply buckets for every all-gather and reduce-scatter of ours in ``graph``."""
+    """Plan and apply buckets for every all-gather, reduce-scatter and all-reduce of ours
+    in ``graph``."""
     buckets = plan_buckets(our_collectives(graph), cap_bytes)
     apply_buckets(graph, buckets)
     return buckets

@@ -15,6 +15,8 @@ rewires one) so that Inductor's code overlaps communication with compute:
   ``_backward_prefetch``, carried in the tag) overrides both: the hinted
   all-gather, and any all-gather between the two, is issued before the wait
   of the hinting unit's all-gather;
+* each all-reduce of gradients (HSDP's replicate dimension, replicated
+  parameters) is waited at its first use;
 * each reduce-scatter is issued as soon as its gradients exist (bucketing
   already places it there) and waited at its first use, but before the issue
   of reduce-scatter ``k + reduce_scatter_depth``, so at most that many
@@ -165,7 +167,7 @@ def reorder_for_overlap(
     """Early issues, late waits (module docstring); moves nodes only."""
     all_gathers = our_collectives(graph, "all_gather")
     reduce_scatters = our_collectives(graph, "reduce_scatter")
-    for c in all_gathers + reduce_scatters:
+    for c in all_gathers + reduce_scatters + our_collectives(graph, "all_reduce"):
         sink_tail(c)
     prefetch_all_gathers(all_gathers, prefetch_depth, max_inflight_bytes)
     bound_reduce_scatters(reduce_scatters, reduce_scatter_depth)

@@ -235,18 +235,27 @@ class Collective:
         return self.input_numel * val(self.input).element_size()
 
 
+#: Our collectives that the passes bucket and move, by target and role.
+_SCHEDULED = {
+    ALL_GATHER: (Role.UNSHARD,),
+    REDUCE_SCATTER: (Role.REDUCE_GRAD,),
+    ALL_REDUCE: (Role.REDUCE_GRAD, Role.REPLICATE_GRAD),
+}
+
+
 def our_collectives(graph: fx.Graph, kind: str | None = None) -> list[Collective]:
-    """Our all-gathers / reduce-scatters (``UNSHARD`` / ``REDUCE_GRAD``), in graph order.
+    """Our all-gathers (``UNSHARD``), reduce-scatters and all-reduces of gradients
+    (``REDUCE_GRAD``, HSDP's ``REPLICATE_GRAD``), in graph order.
 
     Collectives without our tag (a user's all-reduce, tensor parallelism) and
     ones whose result is not consumed by exactly one ``wait_tensor`` are left out.
     """
     found = []
     for node in graph.nodes:
-        if not is_call(node) or node.target not in (ALL_GATHER, REDUCE_SCATTER):
+        if not is_call(node) or node.target not in _SCHEDULED:
             continue
         tag = tag_of(node)
-        if tag is None or tag.role not in (Role.UNSHARD, Role.REDUCE_GRAD):
+        if tag is None or tag.role not in _SCHEDULED[node.target]:
             continue
         users = list(node.users)
         if len(users) != 1 or users[0].target is not WAIT:

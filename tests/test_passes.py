@@ -283,3 +283,39 @@ def test_passes_keep_results_bitwise_on_two_ranks(pool2, bias_dtype):
             assert len(results[stage]) == len(results["original"])
             for i, (a, b) in enumerate(zip(results["original"], results[stage])):
                 torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"rank {rank} {stage} output {i}: {m}")
+
+
+def test_gradient_all_reduces_are_bucketed_per_unit_and_group(fake_pg):
+    """HSDP's replicate-dimension all-reduces (and replicated parameters') merge like
+    reduce-scatters: one per unit, group and dtype, issued where the last member was,
+    each member's consumers reading the same shape and values."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.bucketing import bucket_collectives
+    from fsdp_compile.passes.graph_utils import emit
+    from fsdp_compile.runtime import CollectiveTag, Role
+    from fsdp_compile.runtime.vocabulary import ALL_REDUCE, WAIT, collective_kind
+
+    group = dist.group.WORLD.group_name
+    graph, mode = fx.Graph(), FakeTensorMode()
+    grads = []
+    for i, shape in enumerate([(3, 4), (5,), (2, 2)]):
+        node = graph.placeholder(f"g{i}")
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+        grads.append(node)
+    outs = []
+    for i, g in enumerate(grads):
+        tag = CollectiveTag(Role.REPLICATE_GRAD, f"w{i}", "layers.0", True)
+        outs.append(emit(graph, WAIT, (emit(graph, ALL_REDUCE, (g, "avg", group), tag=tag),), tag=tag))
+    graph.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    inputs = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2)]
+    before = gm(*inputs)
+    buckets = bucket_collectives(graph)
+    gm.recompile()
+    assert [len(b.members) for b in buckets] == [3]
+    assert [collective_kind(n) for n in graph.nodes if collective_kind(n)] == ["all_reduce"]
+    after = gm(*inputs)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(before, after))
