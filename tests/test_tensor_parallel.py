@@ -181,22 +181,32 @@ def _fake_tp_model(sequence_parallel: bool = False):
     return model, mesh
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_compiled_tp_step_keeps_no_resharded_weight(fake_pg, sequence_parallel):
-    """One graph per step; the blocks (reshard_after_forward=True) save no gathered
-    weight for backward, only the root unit's (reshard_after_forward=False) are kept;
-    DTensor's TP collectives are in the graph and none of them carries our tag."""
+def _one_step_graphs_keeping_only_the_roots_weights(model):
+    """Compile one training step (``fullgraph=True``); assert it is one graph whose
+    forward saves gathered weights of the root unit only (the blocks reshard after
+    forward); return the forward and backward graphs."""
     from fsdp_compile.runtime import tag_of
     from fsdp_compile.testing import GraphCapture, saved_all_gathers
-    from fsdp_compile.runtime.vocabulary import collective_kind
 
-    model, mesh = _fake_tp_model(sequence_parallel)
     capture = GraphCapture("min_cut")
     tokens, targets = tp_models.batch(0)
     tp_models.loss(torch.compile(model, backend=capture, fullgraph=True)(tokens), targets).backward()
     assert capture.frame_count == 1
     (fw,), (bw,) = capture.forward_graphs, capture.backward_graphs
     assert {tag_of(n).unit_fqn for n in saved_all_gathers(fw)} == {""}
+    return fw, bw
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_compiled_tp_step_keeps_no_resharded_weight(fake_pg, sequence_parallel):
+    """One graph per step; the blocks (reshard_after_forward=True) save no gathered
+    weight for backward, only the root unit's (reshard_after_forward=False) are kept;
+    DTensor's TP collectives are in the graph and none of them carries our tag."""
+    from fsdp_compile.runtime import tag_of
+    from fsdp_compile.runtime.vocabulary import collective_kind
+
+    model, mesh = _fake_tp_model(sequence_parallel)
+    fw, bw = _one_step_graphs_keeping_only_the_roots_weights(model)
     ours = [n for g in (fw, bw) for n in g.graph.nodes if collective_kind(n) and tag_of(n) is not None]
     tp = [n for g in (fw, bw) for n in g.graph.nodes if collective_kind(n) and tag_of(n) is None]
     assert len([n for n in ours if collective_kind(n) == "all_gather"]) >= len(list(model.parameters()))
@@ -268,7 +278,6 @@ def test_hsdp_tp_graph_structure(world_size):
 
     from fsdp_compile._compat import register_fake_process_group, reset_dynamo
     from fsdp_compile.runtime.vocabulary import Role, collective_kind, group_of, tag_of
-    from fsdp_compile.testing import GraphCapture, saved_all_gathers
 
     register_fake_process_group()
     dist.init_process_group("fake", rank=0, world_size=world_size)
@@ -278,12 +287,7 @@ def test_hsdp_tp_graph_structure(world_size):
         placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()}
         assert placements["layers.0.attention.wq.weight"] == ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
         assert placements["layers.0.feed_forward.w2.weight"] == ("Replicate()", "Shard(dim=0)", "Shard(dim=1)")
-        capture = GraphCapture("min_cut")
-        tokens, targets = tp_models.batch(0)
-        tp_models.loss(torch.compile(model, backend=capture, fullgraph=True)(tokens), targets).backward()
-        assert capture.frame_count == 1
-        (fw,), (bw,) = capture.forward_graphs, capture.backward_graphs
-        assert {tag_of(n).unit_fqn for n in saved_all_gathers(fw)} == {""}
+        fw, bw = _one_step_graphs_keeping_only_the_roots_weights(model)
         groups = {"shard": mesh["shard"].get_group().group_name, "replicate": mesh["replicate"].get_group().group_name,
                   "tp": mesh["tp"].get_group().group_name}
         by_role: dict = {}
