@@ -15,6 +15,12 @@ rewires one) so that Inductor's code overlaps communication with compute:
   ``_backward_prefetch``, carried in the tag) overrides both: the hinted
   all-gather, and any all-gather between the two, is issued before the wait
   of the hinting unit's all-gather;
+* a prefetch does not delay a collective that is not ours (tensor
+  parallelism's, which the next matmul waits on): where one lies between the
+  prefetch's place and the all-gather's own, the all-gather goes to the first
+  point (there, or right after one of those collectives' waits) from which,
+  by the cost model (``hardware_profile``), it is done before the next of them
+  is issued, else after the last of them;
 * each all-reduce of gradients (HSDP's replicate dimension, replicated
   parameters) is waited at its first use;
 * each reduce-scatter is issued as soon as its gradients exist (bucketing
@@ -34,8 +40,17 @@ import logging
 import torch.fx as fx
 
 from fsdp_compile._compat import stable_topological_sort
+from fsdp_compile.passes.cost_model import collective_seconds, compute_seconds, get_profile
 from fsdp_compile.passes.graph_utils import inputs_after, move_before
-from fsdp_compile.runtime.vocabulary import Collective, is_backward_graph, is_call, our_collectives, tag_of
+from fsdp_compile.runtime.vocabulary import (
+    WAIT,
+    Collective,
+    is_backward_graph,
+    is_call,
+    is_collective_issue,
+    our_collectives,
+    tag_of,
+)
 
 log = logging.getLogger("fsdp_compile.passes.reordering")
 
@@ -108,7 +123,41 @@ def _prefetch_target(all_gathers: list[Collective], k: int, depth: int, max_infl
     return j
 
 
-def prefetch_all_gathers(all_gathers: list[Collective], depth: int, max_inflight_bytes: int | None = None) -> None:
+def clear_of_foreign_collectives(c: Collective, target: fx.Node, profile: str) -> fx.Node:
+    """Where all-gather ``c``, to be prefetched before ``target``, goes so that it delays
+    no collective that is not ours issued between ``target`` and ``c`` (module
+    docstring). Costs leave out our own copies, which differ between ranks."""
+    foreign = [n for n in _nodes_between(target, c.issue) if is_collective_issue(n) and tag_of(n) is None]
+    if not foreign:
+        return target
+    hardware, notes = get_profile(profile), set()
+    duration = collective_seconds(c.issue, hardware, notes)
+    waits = [next((u for u in f.users if u.target is WAIT), f) for f in foreign]
+    candidates = [target, *(w.next for w in waits if w.next < c.issue)]
+    for anchor in candidates:
+        later = [f for f in foreign if f > anchor]
+        if head_of(c, anchor) is None:
+            continue
+        if not later:
+            return anchor
+        busy = sum(compute_seconds(n, hardware, notes) for n in _nodes_between(anchor, later[0]) if tag_of(n) is None)
+        if busy >= duration:
+            return anchor
+    return candidates[-1] if head_of(c, candidates[-1]) is not None else target
+
+
+def _nodes_between(first: fx.Node, end: fx.Node) -> list[fx.Node]:
+    """``first`` and the nodes after it, up to (without) ``end``."""
+    out, node = [], first
+    while node is not end and node.op != "output":
+        out.append(node)
+        node = node.next
+    return out
+
+
+def prefetch_all_gathers(
+    all_gathers: list[Collective], depth: int, max_inflight_bytes: int | None = None, profile: str | None = None
+) -> None:
     """Issue all-gather ``k`` before the wait of all-gather ``k - depth``, or of the
     hinting unit's all-gather (see module docstring)."""
     if not all_gathers:
@@ -134,6 +183,8 @@ def prefetch_all_gathers(all_gathers: list[Collective], depth: int, max_inflight
         if j is None:
             continue
         target = top if j < 0 else all_gathers[j].wait
+        if profile is not None:
+            target = clear_of_foreign_collectives(c, target, profile)
         head = head_of(c, target)
         if head is None:
             log.debug("all-gather of unit %r not prefetched: its input needs compute that runs later", c.tag.unit_label)
@@ -163,13 +214,16 @@ def reorder_for_overlap(
     prefetch_depth: int = 1,
     reduce_scatter_depth: int = 1,
     max_inflight_bytes: int | None = None,
+    profile: str | None = None,
 ) -> None:
-    """Early issues, late waits (module docstring); moves nodes only."""
+    """Early issues, late waits (module docstring); moves nodes only. ``profile``: the
+    cost model's hardware, to keep prefetches clear of others' collectives (``None``:
+    prefetch regardless)."""
     all_gathers = our_collectives(graph, "all_gather")
     reduce_scatters = our_collectives(graph, "reduce_scatter")
     for c in all_gathers + reduce_scatters + our_collectives(graph, "all_reduce"):
         sink_tail(c)
-    prefetch_all_gathers(all_gathers, prefetch_depth, max_inflight_bytes)
+    prefetch_all_gathers(all_gathers, prefetch_depth, max_inflight_bytes, profile)
     bound_reduce_scatters(reduce_scatters, reduce_scatter_depth)
     stable_topological_sort(graph)
     graph.lint()

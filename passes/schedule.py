@@ -41,6 +41,7 @@ def schedule_collectives(
             prefetch_depth=config.prefetch_depth,
             reduce_scatter_depth=config.reduce_scatter_depth,
             max_inflight_bytes=config.max_inflight_bytes,
+            profile=config.hardware_profile,
         )
         after_each("2_reordering")
 

@@ -319,3 +319,49 @@ def test_gradient_all_reduces_are_bucketed_per_unit_and_group(fake_pg):
     assert [collective_kind(n) for n in graph.nodes if collective_kind(n)] == ["all_reduce"]
     after = gm(*inputs)
     assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _graph_with_a_foreign_collective_between_two_units():
+    """x -> [our all-gather of unit a] -> mm -> [a TP all-gather, not ours] -> mm ->
+    [our all-gather of unit b] -> mm, as traced (each wait right after its issue)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.graph_utils import emit
+    from fsdp_compile.runtime import CollectiveTag, Role
+    from fsdp_compile.runtime.vocabulary import ALL_GATHER, WAIT
+
+    graph, mode = fx.Graph(), FakeTensorMode()
+
+    def placeholder(name, shape):
+        node = graph.placeholder(name)
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+        return node
+
+    x, wa, wb = placeholder("x", (64, 64)), placeholder("wa", (32, 64)), placeholder("wb", (32, 64))
+
+    def gather(shard, tag):
+        return emit(graph, WAIT, (emit(graph, ALL_GATHER, (shard, 2, "dp"), tag=tag),), tag=tag)
+
+    h = emit(graph, aten.mm.default, (x, gather(wa, CollectiveTag(Role.UNSHARD, "a.w", "a", True))))
+    tp_gathered = emit(graph, WAIT, (emit(graph, ALL_GATHER, (h, 2, "tp")),))  # untagged: not ours
+    h = emit(graph, aten.mm.default, (tp_gathered, x))
+    out = emit(graph, aten.mm.default, (h, gather(wb, CollectiveTag(Role.UNSHARD, "b.w", "b", True))))
+    graph.output(out)
+    return graph
+
+
+@pytest.mark.parametrize("profile,after_foreign", [(None, False), ("cpu-gloo", True)])
+def test_prefetch_does_not_delay_a_collective_that_is_not_ours(profile, after_foreign):
+    """Unit b's all-gather is prefetched before unit a's wait, unless (with the cost model)
+    it would still be on the link when the TP all-gather between them is issued."""
+    from fsdp_compile.passes.reordering import reorder_for_overlap
+    from fsdp_compile.runtime.vocabulary import our_collectives, tag_of
+
+    graph = _graph_with_a_foreign_collective_between_two_units()
+    reorder_for_overlap(graph, profile=profile)
+    a, b = our_collectives(graph, "all_gather")
+    (foreign,) = [n for n in graph.nodes if n.target is c10d_functional.all_gather_into_tensor.default and tag_of(n) is None]
+    assert b.issue < a.wait if not after_foreign else foreign < b.issue < b.wait
+    if after_foreign:
+        assert next(u for u in foreign.users) < b.issue  # after the TP all-gather's wait
