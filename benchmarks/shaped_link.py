@@ -78,7 +78,7 @@ _DTYPES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = benchmark_parser(__doc__)
+    p = benchmark_parser(__doc__, quick_help="tiny model, few steps (smoke run)")
     step_time.add_model_args(p)
     p.add_argument("--rates", default="1gbit,10gbit", help="comma-separated tc rates; 'none' = unshaped veth")
     p.add_argument("--delay-us", type=float, default=50.0, help="netem delay per direction (where netem exists)")
