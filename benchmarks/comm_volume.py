@@ -21,7 +21,7 @@ ideal; padding of uneven shards puts it slightly over.
 from __future__ import annotations
 
 
-from benchmarks._common import benchmark_parser, one_thread_per_rank
+from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 SETUPS = {
     "fp32, reshard_after_forward=True": (True, None),
@@ -32,15 +32,17 @@ SETUPS = {
 
 def _wire_bytes(node, world_size: int) -> tuple[str, int]:
     """(kind, bytes this rank sends) of one functional collective issue node."""
-    op = node.target._opname
+    from fsdp_compile.runtime.vocabulary import collective_kind
+
+    kind = collective_kind(node)  # other variants (``reduce_scatter_tensor_out``...) by their op name
     val_in = node.args[0].meta["val"]
     bytes_in = val_in.numel() * val_in.element_size()
     share = (world_size - 1) / world_size
-    if op.startswith("all_gather"):
+    if kind.startswith("all_gather"):
         return "all_gather", int(bytes_in * world_size * share)
-    if op.startswith("reduce_scatter"):
+    if kind.startswith("reduce_scatter"):
         return "reduce_scatter", int(bytes_in * share)
-    return op, int(2 * bytes_in * share)
+    return kind, int(2 * bytes_in * share)
 
 
 def measure(world_size: int, layers: int, dim: int, reshard: bool, mp: str | None) -> dict:
@@ -105,8 +107,14 @@ def table(world_size: int, layers: int, dim: int) -> str:
     rows = [
         f"Llama-style, {layers} layers, dim {dim}, world size {world_size} (fake process group), "
         "Inductor graphs after our passes; per rank per step.\n",
-        "| setup | parameters (MiB fp32) | collectives (all-gather / reduce-scatter) | sent (MiB) | ideal (MiB) | sent / ideal |",
-        "|---|---|---|---|---|---|",
+        table_header(
+            "setup",
+            "parameters (MiB fp32)",
+            "collectives (all-gather / reduce-scatter)",
+            "sent (MiB)",
+            "ideal (MiB)",
+            "sent / ideal",
+        ),
     ]
     for label, (reshard, mp) in SETUPS.items():
         r = measure(world_size, layers, dim, reshard, mp)

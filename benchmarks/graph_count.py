@@ -11,7 +11,7 @@ first, recompiles in the second.
 from __future__ import annotations
 
 
-from benchmarks._common import benchmark_parser, one_thread_per_rank
+from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 
 def count(kind: str, layers: int) -> dict:
@@ -25,6 +25,7 @@ def count(kind: str, layers: int) -> dict:
         from torch.distributed.fsdp import fully_shard
     else:
         from fsdp_compile import fully_shard
+    from fsdp_compile.runtime.vocabulary import is_collective_issue
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
     torch.manual_seed(0)
@@ -36,10 +37,7 @@ def count(kind: str, layers: int) -> dict:
     stats = {"compiled": 0, "calls": 0, "collectives": 0}
 
     def count_collectives(graph, _):
-        stats["collectives"] += sum(
-            n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait_tensor" not in str(n.target)
-            for n in graph.graph.nodes
-        )
+        stats["collectives"] += sum(map(is_collective_issue, graph.graph.nodes))
         return make_boxed_func(graph)
 
     def backend(gm, example_inputs):
@@ -81,10 +79,16 @@ def main(argv=None) -> None:
         rows = [(label, pool.run(count, kind, args.layers)[0]) for label, kind in [("torch FSDP2", "fsdp2"), ("fsdp_compile", "ours")]]
     print(f"\n{args.layers}-layer Llama-style model, torch.compile, 2 ranks (rank 0)\n")
     print(
-        "| setup | graphs compiled | compiled-graph calls per step | Dynamo frames (step 1) "
-        "| collectives inside graphs (fwd+bwd) | graph-break counter | recompiles in step 2 |"
+        table_header(
+            "setup",
+            "graphs compiled",
+            "compiled-graph calls per step",
+            "Dynamo frames (step 1)",
+            "collectives inside graphs (fwd+bwd)",
+            "graph-break counter",
+            "recompiles in step 2",
+        )
     )
-    print("|---|---|---|---|---|---|---|")
     for label, r in rows:
         print(
             f"| {label} | {r['graphs_step1']} | {r['graph_calls_per_step']} | {r['dynamo_frames_step1']} "

@@ -63,7 +63,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field, replace
 
-from benchmarks._common import benchmark_parser, one_thread_per_rank
+from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 SEQ_LEN = 8192
 BATCH = 1
@@ -270,12 +270,12 @@ def _count_by_kind(forward, backward) -> tuple:
 def _saved_for_backward(forward) -> list:
     """Forward outputs the graph itself produced (views resolved to their base;
     graph inputs such as the sharded parameters and the tokens left out)."""
-    import torch
+    from fsdp_compile.runtime.vocabulary import is_view
 
     (output,) = [n for n in forward.nodes if n.op == "output"]
     bases = {}
     for node in output.args[0]:
-        while hasattr(node, "op") and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        while hasattr(node, "op") and is_view(node):
             node = node.args[0]
         if hasattr(node, "op") and node.op == "call_function":
             bases[node] = None
@@ -442,9 +442,17 @@ def time_table(results: list[Result]) -> str:
     rows = [
         f"**Step time, MODELLED (not measured)** — {_title(r0)}; {r0.how}",
         "",
-        "| N | profile | step (ms) | compute (ms) | communication (ms) | exposed comm. (ms) | overlap "
-        "| tokens/s per rank | step without our passes (ms) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        table_header(
+            "N",
+            "profile",
+            "step (ms)",
+            "compute (ms)",
+            "communication (ms)",
+            "exposed comm. (ms)",
+            "overlap",
+            "tokens/s per rank",
+            "step without our passes (ms)",
+        ),
     ]
     for r in results:
         for profile, (step, compute, comm, exposed, raw) in r.m.times.items():
@@ -465,11 +473,18 @@ def memory_table(results: list[Result]) -> str:
     rows = [
         f"**Memory per rank, collectives, pass run time** — {r0.model}; {r0.how}; memory MODELLED",
         "",
-        "| N | collectives traced → after our passes (fwd all-gather + bwd all-gather + reduce-scatter) "
-        "| forward peak: simulate / aliases kept (GiB) | saved for backward (GiB) "
-        "| backward peak: simulate / aliases kept (GiB) | params+grads+Adam, fp32 sharded (GiB) "
-        "| est. peak per rank (GiB, upper bound) | bucketing + reordering (s) | pinning (s) | trace (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        table_header(
+            "N",
+            "collectives traced → after our passes (fwd all-gather + bwd all-gather + reduce-scatter)",
+            "forward peak: simulate / aliases kept (GiB)",
+            "saved for backward (GiB)",
+            "backward peak: simulate / aliases kept (GiB)",
+            "params+grads+Adam, fp32 sharded (GiB)",
+            "est. peak per rank (GiB, upper bound)",
+            "bucketing + reordering (s)",
+            "pinning (s)",
+            "trace (s)",
+        ),
     ]
     for r in results:
         m = r.m
@@ -488,9 +503,9 @@ def sanity_table(results: list[Result]) -> str:
     rows = [
         "**Sanity checks: what the graphs hold vs the textbook formulas** (per rank, per step)",
         "",
-        "| model | N | FLOPs in graphs (TFLOP) | 6·P·T + attention (TFLOP) | sent per rank (GB) "
-        "| (N−1)/N·(2+2+4 B)·P (GB) |",
-        "|---|---|---|---|---|---|",
+        table_header(
+            "model", "N", "FLOPs in graphs (TFLOP)", "6·P·T + attention (TFLOP)", "sent per rank (GB)", "(N−1)/N·(2+2+4 B)·P (GB)"
+        ),
     ]
     for r in results:
         rows.append(

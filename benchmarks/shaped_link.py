@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 from benchmarks import _netns, step_time
-from benchmarks._common import benchmark_parser
+from benchmarks._common import benchmark_parser, table_header
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PORT = 29500  # inside fresh namespaces: nothing else listens there
@@ -268,8 +268,16 @@ def table(args, rate: str, shaping: str, res: dict) -> str:
         + f"; 2 ranks in separate network namespaces; compute-only = each rank alone (world size 1, same batch), interleaved; "
         f"communication alone = the step's recorded collectives replayed back to back (median of {args.reps}).",
         "",
-        "| setup | median step (ms) | compute-only step (ms) | exposed communication (ms) | communication alone (ms) | overlap | collectives/step | MiB sent/rank/step |",
-        "|---|---|---|---|---|---|---|---|",
+        table_header(
+            "setup",
+            "median step (ms)",
+            "compute-only step (ms)",
+            "exposed communication (ms)",
+            "communication alone (ms)",
+            "overlap",
+            "collectives/step",
+            "MiB sent/rank/step",
+        ),
     ]
     for name in args.setups:
         step, comp, comm = res["median"][name], res["compute_only"][name], res["communication"][name]

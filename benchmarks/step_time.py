@@ -75,7 +75,7 @@ import os
 import statistics
 import time
 
-from benchmarks._common import benchmark_parser
+from benchmarks._common import benchmark_parser, table_header
 
 # id (for --setups) -> (label, implementation, compiled, fsdp_compile.config changes)
 SETUPS = {
@@ -372,8 +372,17 @@ def table(args, res: dict) -> str:
         "compute-only step. Compile times "
         + ("with Inductor's persistent caches (warm if an earlier run compiled the same kernels)." if args.warm_cache else "cold (fresh caches per setup)."),
         "",
-        "| setup | median step (ms) | tokens/s | compile: first step (s) | graphs compiled | compiled-graph calls/step | recompiles | compute-only step, 1 rank (ms) | exposed communication (ms) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        table_header(
+            "setup",
+            "median step (ms)",
+            "tokens/s",
+            "compile: first step (s)",
+            "graphs compiled",
+            "compiled-graph calls/step",
+            "recompiles",
+            "compute-only step, 1 rank (ms)",
+            "exposed communication (ms)",
+        ),
     ]
     for name in args.setups:
         step = res["median"][name]

@@ -96,17 +96,17 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def shard_blocks(model: nn.Module, shard_fn=fully_shard, *, blocks=None, **block_kwargs) -> nn.Module:
+def shard_blocks(model: nn.Module, shard_fn=fully_shard, *, blocks=None, root_too: bool = False, **block_kwargs) -> nn.Module:
     """Shard per block, then the root, as users do: ``shard_fn(block, **block_kwargs)``
     for each of ``blocks`` (default: ``model.layers``), then ``shard_fn(model)`` with
-    the defaults. Returns ``model``.
+    the defaults, or with ``block_kwargs`` too if ``root_too``. Returns ``model``.
 
     ``shard_fn`` is our ``fully_shard`` unless given (e.g. torch's); the signature
     ``(model, fully_shard)`` also makes this a ``shard_fn`` for
     :func:`fsdp_compile.testing.assert_parity`."""
     for block in model.layers if blocks is None else blocks:
         shard_fn(block, **block_kwargs)
-    shard_fn(model)
+    shard_fn(model, **(block_kwargs if root_too else {}))
     return model
 
 
@@ -125,7 +125,7 @@ def compile_counting_graphs(model: nn.Module, backend, **compile_kwargs):
     ``(model, None)`` for ``backend=None``: eager, nothing to count."""
     if not backend:
         return model, None
-    from torch._dynamo.testing import CompileCounterWithBackend
+    from fsdp_compile._compat import compile_counter
 
-    counter = CompileCounterWithBackend(backend)
+    counter = compile_counter(backend)
     return torch.compile(model, backend=counter, **compile_kwargs), counter

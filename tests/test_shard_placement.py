@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_compile.testing import assert_parity
+from tests.models import shard_blocks
 from tests.test_harness import batch, build_mlp, mse
 
 
@@ -15,9 +16,7 @@ def _matrices_on_dim_1(param):
 
 
 def shard_on_dim_1(model, fully_shard):
-    for layer in model.layers:
-        fully_shard(layer, shard_placement_fn=_matrices_on_dim_1)
-    fully_shard(model, shard_placement_fn=_matrices_on_dim_1)
+    shard_blocks(model, fully_shard, root_too=True, shard_placement_fn=_matrices_on_dim_1)
 
 
 class _Uneven(torch.nn.Module):
