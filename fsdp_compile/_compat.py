@@ -175,8 +175,16 @@ def set_joint_custom_pass(fn: Callable | None) -> None:
 
 
 def is_backward_node(node: torch.fx.Node) -> bool:
-    """torch/_functorch/partitioners.py tags joint-graph backward nodes this way."""
-    return node.meta.get("partitioner_tag", None) == "is_backward"
+    """torch/_functorch/partitioners.py's ``partitioner_tag`` of joint-graph backward nodes
+    (AOTAutograd's own, or one we placed there with :func:`place_in_backward`)."""
+    return node.meta.get("partitioner_tag", None) in ("is_backward", "must_be_in_backward")
+
+
+def place_in_backward(node: torch.fx.Node) -> None:
+    """Make the partitioner put a joint-graph node in the backward graph only (a
+    collective that depends on forward values alone would otherwise be copied into
+    the forward graph too, where ``wait_tensor``'s side effect keeps it alive)."""
+    node.meta["partitioner_tag"] = "must_be_in_backward"
 
 
 def group_name_of(group: torch.distributed.ProcessGroup) -> str:

@@ -96,6 +96,9 @@ class RegatherSlot:
     fsdp_param: FSDPParam
     pending: int = 0
     full: torch.Tensor | None = None
+    #: ``reshard_after_forward=<int>``: the block kept after forward to re-gather from
+    #: over the smaller group (``None``: re-gather from the shard).
+    post_forward_shard: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,8 +120,10 @@ def reshard_after_forward_hooks():
     Autograd saves the full weight (or a view of it, e.g. ``W.t()``) for the
     backward of ops like ``mm``. For a unit with ``reshard_after_forward=True``
     a small handle is saved instead and the weight all-gathered again when
-    backward unpacks it, as FSDP2 does. Compiled runs get the same effect from
-    the reshard pass on the joint graph.
+    backward unpacks it, as FSDP2 does; with an int, the handle keeps this
+    rank's block of the weight and backward all-gathers the blocks over the
+    smaller group. Compiled runs get the same effect from the reshard pass on
+    the joint graph.
     """
     return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
@@ -138,11 +143,13 @@ def _pack(t: torch.Tensor):
     if type(t) is not torch.Tensor or t.numel() == 0:
         return t
     fsdp_param = _gathered_param_of(t)
-    if fsdp_param is None or not fsdp_param.unit.resolved_reshard_after_forward():
+    if fsdp_param is None or not fsdp_param.unit.frees_gathered_after_forward():
         return t
     slot = _open_slots.get(fsdp_param)
     if slot is None or slot.pending == 0:
         slot = _open_slots[fsdp_param] = RegatherSlot(fsdp_param)
+        if fsdp_param.unit.reshard_to is not None:
+            slot.post_forward_shard = fsdp_param.post_forward_shard()
     slot.pending += 1
     return _SavedView(slot, t.size(), t.stride(), t.storage_offset())
 
@@ -152,13 +159,16 @@ def _unpack(packed):
         return packed
     slot = packed.slot
     if slot.full is None:
-        slot.full = slot.fsdp_param.gather_without_autograd()
+        if slot.post_forward_shard is None:
+            slot.full = slot.fsdp_param.gather_without_autograd()
+        else:
+            slot.full = slot.fsdp_param.gather_post_forward_shard(slot.post_forward_shard)
     # The re-gathered tensor has the original layout, so the saved view is
     # rebuilt from its size, stride and offset.
     view = slot.full.as_strided(packed.size, packed.stride, packed.storage_offset)
     slot.pending -= 1
     if slot.pending == 0:
-        slot.full = None
+        slot.full = slot.post_forward_shard = None
         if _open_slots.get(slot.fsdp_param) is slot:
             del _open_slots[slot.fsdp_param]
     return view

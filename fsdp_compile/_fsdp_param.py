@@ -21,9 +21,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_compile._compat import fx_annotate
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
-from fsdp_compile.runtime.collectives import CollectiveSpec, ShardLayout, gather_with_grad_sync
+from fsdp_compile.runtime.collectives import (
+    CollectiveSpec,
+    ShardLayout,
+    gather_post_forward_shard,
+    gather_with_grad_sync,
+    post_forward_shard,
+)
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
 if TYPE_CHECKING:
@@ -53,6 +60,8 @@ class FSDPParam:
             (``None`` for a plain parameter); FSDP then shards its local tensor.
         spec: how its collectives run (:class:`~fsdp_compile.runtime.collectives.CollectiveSpec`).
         state / gathered: the :class:`ParamState` and, unless ``SHARDED``, the full tensor.
+        kept: the full tensor kept from the last forward for the next one
+            (``set_reshard_after_backward(False)``), else ``None``.
         unit: the :class:`~fsdp_compile._fsdp_state.FSDPUnit` that owns it.
         owner: the first module registering it, and the name it has there.
     """
@@ -96,6 +105,9 @@ class FSDPParam:
                 setattr(self.sharded_param, key, value)
         self.state = ParamState.SHARDED
         self.gathered: torch.Tensor | None = None
+        # With set_reshard_after_backward(False): the full tensor (dim 0 first, no autograd)
+        # the next forward reads instead of gathering.
+        self.kept: torch.Tensor | None = None
         self._grad_accumulator: torch.Tensor | None = None
         self.owner: tuple[nn.Module, str] | None = None
         self.refresh_spec()
@@ -115,9 +127,10 @@ class FSDPParam:
                 Role.UNSHARD,
                 self.fqn,
                 unit.fqn,
-                unit.resolved_reshard_after_forward(),
+                unit.frees_gathered_after_forward(),
                 None if unit.forward_prefetched_by is None else unit.forward_prefetched_by.fqn,
                 None if unit.backward_prefetched_by is None else unit.backward_prefetched_by.fqn,
+                reshard_to=unit.reshard_to if unit.frees_gathered_after_forward() else None,
             ),
             reduce_group_names=self.reduce_group_names,
             reduce_op="avg" if factor is None else "sum",
@@ -142,7 +155,9 @@ class FSDPParam:
         local = self._gather_input(sharded_param)
         accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
         pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
-        self.gathered = self._for_compute(gather_with_grad_sync(local, self.spec, pending, accumulator))
+        full = gather_with_grad_sync(local, self.spec, pending, accumulator, self.kept)
+        self.kept = None if self.unit.reshard_after_backward else full.detach()
+        self.gathered = self._for_compute(full)
         self.state = ParamState.GATHERED
         forward_context.note_gathered(self)
         return self.gathered
@@ -153,6 +168,21 @@ class FSDPParam:
         spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
         with torch.no_grad():
             return self._for_compute(gather_with_grad_sync(self._gather_input(self.sharded_param), spec))
+
+    def post_forward_shard(self) -> torch.Tensor:
+        """This rank's block of the gathered tensor kept after forward when the unit
+        reshards to a smaller group (eager code: the saved-tensor hooks)."""
+        name, size, index = self.unit.reshard_to
+        full = self.gathered.movedim(self.shard_dim, 0) if self.shard_dim else self.gathered
+        with torch.no_grad():
+            return post_forward_shard(full, self.layout, size, index)
+
+    def gather_post_forward_shard(self, post: torch.Tensor) -> torch.Tensor:
+        """The full tensor again from :meth:`post_forward_shard`'s blocks, gathered over the
+        smaller group (eager backward)."""
+        name, size, _ = self.unit.reshard_to
+        with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)):
+            return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local shard on the compute device, its shard dim first."""

@@ -82,11 +82,14 @@ class FSDPUnit:
     mesh: DeviceMesh
     dp_mesh: DataParallelMesh
     devices: ShardDevices
-    reshard_after_forward: bool | None  # None: True unless this is the root unit
+    reshard_after_forward: bool | int | None  # None: True unless this is the root unit; int: see reshard_to
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     params: list[FSDPParam] = field(default_factory=list)
     is_root: bool = True
     requires_gradient_sync: bool = True
+    # False: gathered parameters stay gathered after backward, for the next forward
+    # (FSDP2's set_reshard_after_backward; e.g. between gradient-accumulation micro-batches).
+    reshard_after_backward: bool = True
     gradient_divide_factor: float | None = None  # None: average over the group
     # Path of each module from the outermost sharded module ("" for the root
     # itself); rewritten when a parent is sharded later.
@@ -95,6 +98,9 @@ class FSDPUnit:
     # (FSDPModule.set_modules_to_forward_prefetch / _backward_prefetch hints).
     forward_prefetched_by: FSDPUnit | None = field(default=None, repr=False)
     backward_prefetched_by: FSDPUnit | None = field(default=None, repr=False)
+    # reshard_after_forward=<int>: the smaller group a shard is kept over after forward,
+    # as (group name, group size, this rank's index in it); see CollectiveTag.reshard_to.
+    reshard_to: tuple[str, int, int] | None = None
     # Set once a graph break made this unit gather in eager code (warned once per unit).
     warned_eager_gather: bool = field(default=False, repr=False)
 
@@ -111,10 +117,16 @@ class FSDPUnit:
         self.module_fqns[index] = fqn
 
     def resolved_reshard_after_forward(self) -> bool:
-        """FSDP2's rule: ``None`` means True for non-root units and False for the root."""
+        """FSDP2's rule: ``None`` means True for non-root units and False for the root;
+        an int (resharding to a smaller group) frees the gathered tensor too."""
         if self.reshard_after_forward is None:
             return not self.is_root
-        return self.reshard_after_forward
+        return bool(self.reshard_after_forward)
+
+    def frees_gathered_after_forward(self) -> bool:
+        """Whether a forward's gathered parameters are freed until backward gathers them
+        again: resharding after forward, and not keeping them after backward anyway."""
+        return self.resolved_reshard_after_forward() and self.reshard_after_backward
 
     def refresh_specs(self) -> None:
         """Rebuild every parameter's collective spec after an option changed (eager

@@ -13,6 +13,7 @@ registered sharded ``nn.Parameter(DTensor)``; inside one it returns
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Iterable
 
 import torch
@@ -126,16 +127,25 @@ class FSDPModule:
                 f"set_reshard_after_forward({reshard_after_forward!r}): only True/False are supported"
             )
         for unit in units_in(self, recurse):
-            unit.reshard_after_forward = reshard_after_forward
+            unit.reshard_after_forward, unit.reshard_to = reshard_after_forward, None
             unit.refresh_specs()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Only ``True`` (the default): gathered parameters never outlive a compiled step."""
-        if not reshard_after_backward:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False): keeping parameters gathered from one step to the "
-                "next is not supported; use unshard()/reshard() around code that needs them gathered"
-            )
+        """``False``: parameters stay gathered after backward, and the next forward reads
+        them without an all-gather (FSDP2's; between gradient-accumulation micro-batches,
+        trading memory for communication). The next forward after ``True`` is set again
+        still reads them, then frees them. As with FSDP2, they are not re-gathered after
+        an optimizer step: set ``True`` for the last micro-batch before stepping.
+
+        Kept parameters live from the forward that gathered them (so units that reshard
+        after forward do not re-gather in backward). Under ``torch.compile`` each mode
+        (gathering or reading kept parameters; keeping or not) is a graph of its own,
+        compiled once."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(f"set_reshard_after_backward({reshard_after_backward!r}): pass True or False")
+        for unit in units_in(self, recurse):
+            unit.reshard_after_backward = reshard_after_backward
+            unit.refresh_specs()
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Issue the all-gathers of ``modules`` when this unit's forward starts (FSDP2's
@@ -243,7 +253,10 @@ def fully_shard(
             splits are padded like dim 0's.
         reshard_after_forward: ``True`` frees gathered parameters after
             forward (re-gathered in backward); ``False`` keeps them; ``None``
-            means ``True`` except for the root unit.
+            means ``True`` except for the root unit; an int ``n`` (dividing the
+            shard group's size) keeps a shard over groups of ``n`` consecutive
+            ranks after forward and re-gathers over those groups in backward
+            (FSDP2's; e.g. the ranks of one node). Not with tensor parallelism.
         mp_policy: mixed precision as FSDP2's: parameters gathered in
             ``param_dtype``, gradients reduced in ``reduce_dtype``, floating
             forward inputs cast to ``param_dtype`` (``cast_forward_inputs``) and
@@ -306,9 +319,12 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     )
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
     shard_dims = [_shard_dim(param, fqn, shard_placement_fn, _unit_name(modules)) for _, _, param, fqn, _ in owned]
+    unit.reshard_after_forward = _resolve_reshard_size(reshard_after_forward, unit.dp_mesh, owned, _unit_name(modules))
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
     # -- nothing below may fail on one rank only --
+    if type(unit.reshard_after_forward) is int:
+        unit.reshard_to = unit.dp_mesh.post_forward_group(unit.reshard_after_forward)
     by_original: dict[int, FSDPParam] = {}
     for (owner, name, param, fqn, module_index), shard_dim in zip(owned, shard_dims):
         fsdp_param = getattr(param, _SHARDED_AS, None)
@@ -347,11 +363,11 @@ def _as_module_list(module) -> list[nn.Module]:
 
 
 def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy):
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: resharding to a smaller group (int) "
-            "is not supported; use True (free after forward, gather again in backward), False (keep "
-            "gathered until backward) or None (True except for the root)"
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"reshard_after_forward={reshard_after_forward!r}: use True (free after forward, gather again "
+            "in backward), False (keep gathered until backward), None (True except for the root) or an "
+            "int (keep a shard over groups of that many ranks, gather over them in backward)"
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be a callable (parameter -> Shard | None), got {shard_placement_fn!r}")
@@ -359,6 +375,37 @@ def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_po
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}")
+
+
+def _resolve_reshard_size(reshard_after_forward, dp_mesh: DataParallelMesh, owned, unit_name: str):
+    """``reshard_after_forward`` as the unit keeps it: an int is checked and, as in FSDP2,
+    1 means ``False`` and the shard group's size means ``True``."""
+    if type(reshard_after_forward) is not int:
+        return reshard_after_forward
+    size = dp_mesh.shard_world_size
+    if not 1 <= reshard_after_forward <= size or size % reshard_after_forward:
+        raise ValueError(
+            f"fully_shard({unit_name}): reshard_after_forward={reshard_after_forward} must divide the shard "
+            f"group's size ({size}): the ranks are split into groups of that many to keep a shard over "
+            "after forward (e.g. the ranks of one node)"
+        )
+    if reshard_after_forward == 1:
+        warnings.warn(
+            f"fully_shard({unit_name}): reshard_after_forward=1 (int) keeps the whole parameter after "
+            "forward, as reshard_after_forward=False does",
+            stacklevel=3,
+        )
+        return False
+    if reshard_after_forward == size:
+        return True
+    tensor_parallel = [fqn for _, _, param, fqn, _ in owned if isinstance(param, DTensor)]
+    if tensor_parallel:
+        raise NotImplementedError(
+            f"fully_shard({unit_name}): reshard_after_forward={reshard_after_forward} (resharding to a smaller "
+            f"group) is not supported for tensor-parallel parameters (e.g. {tensor_parallel[0]!r}), as in "
+            "FSDP2; use True or False for this unit"
+        )
+    return reshard_after_forward
 
 
 def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str) -> int:

@@ -37,7 +37,7 @@ from fsdp_compile.passes.checkpointing import save_random_ops_in_checkpointed_re
 from fsdp_compile.passes.consistency import insert_consistency_check
 from fsdp_compile.passes.pinning import pin_schedule
 from fsdp_compile.passes.report import write_graph_report, write_joint_record
-from fsdp_compile.passes.reshard import tag_reshard_after_forward
+from fsdp_compile.passes.reshard import regather_from_post_forward_shards, tag_reshard_after_forward
 from fsdp_compile.passes.schedule import bucket_cap_bytes, schedule_collectives
 from fsdp_compile.runtime.vocabulary import graph_name, our_collectives, units_in
 
@@ -52,6 +52,7 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
         save_random_ops_in_checkpointed_regions(gm)  # before our tags: only a checkpoint's are seen
     if config.reshard_pass:
         tag_reshard_after_forward(gm)
+        regather_from_post_forward_shards(gm)
     write_joint_record(gm)
     return gm
 

@@ -121,6 +121,24 @@ def _reduce_scatter(grad_full: torch.Tensor, layout: ShardLayout, reduce_op: str
     return shard
 
 
+def post_forward_shard(full: torch.Tensor, layout: ShardLayout, group_size: int, index: int) -> torch.Tensor:
+    """What a rank keeps of a gathered parameter after forward when resharding to a
+    smaller group (``reshard_after_forward=<int>``, FSDP2's): the zero-padded full
+    tensor (dim 0 first) cut into ``group_size`` row blocks, block ``index``.
+    The all-gather's own output buffer has that layout, so the compiled graph
+    slices it (``fsdp_compile.passes.reshard``); eager code pads ``full`` again."""
+    padded = _pad_rows(full, layout.rows_per_rank * layout.world_size)
+    rows = padded.shape[0] // group_size
+    return padded.narrow(0, index * rows, rows).clone()
+
+
+def gather_post_forward_shard(post: torch.Tensor, layout: ShardLayout, group_name: str, group_size: int) -> torch.Tensor:
+    """The full tensor (dim 0 first) again, all-gathered from :func:`post_forward_shard`'s
+    blocks over the smaller group (no autograd)."""
+    gathered = c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(post, group_size, group_name))
+    return gathered.narrow(0, 0, layout.dim0) if gathered.shape[0] != layout.dim0 else gathered
+
+
 class _GatherWithGradSync(torch.autograd.Function):
     """Forward: the full tensor in ``param_dtype`` (cast first, so a bf16 policy
     gathers half the bytes): the all-gather of every rank's dim-0 shard, or the
@@ -136,11 +154,13 @@ class _GatherWithGradSync(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, local, pending, accumulator, spec: CollectiveSpec):
+    def forward(ctx, local, pending, accumulator, spec: CollectiveSpec, kept):
         ctx.spec, ctx.shard_dtype = spec, local.dtype
         ctx.sync, ctx.has_pending = accumulator is None, pending is not None
         if pending is not None:
             ctx.save_for_backward(pending)
+        if kept is not None:  # still gathered from the last forward (reshard_after_backward=False)
+            return kept.view_as(kept)
         cast = spec.param_dtype is not None and spec.param_dtype != local.dtype
         if cast:
             local = local.to(spec.param_dtype)
@@ -152,7 +172,7 @@ class _GatherWithGradSync(torch.autograd.Function):
     def backward(ctx, grad):
         spec = ctx.spec
         if not ctx.sync:
-            return None, None, grad.to(ctx.shard_dtype), None
+            return None, None, grad.to(ctx.shard_dtype), None, None
         reduce_meta = spec.tag.as_meta(Role.REDUCE_GRAD)
         with fx_annotate(reduce_meta):
             grad = _gradient_to_reduce(ctx, grad, spec)
@@ -165,7 +185,7 @@ class _GatherWithGradSync(torch.autograd.Function):
         with fx_annotate(reduce_meta):
             if grad.dtype != ctx.shard_dtype:
                 grad = grad.to(ctx.shard_dtype)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _gradient_to_reduce(ctx, grad: torch.Tensor, spec: CollectiveSpec) -> torch.Tensor:
@@ -186,6 +206,7 @@ def gather_with_grad_sync(
     spec: CollectiveSpec,
     pending: torch.Tensor | None = None,
     accumulator: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full tensor from this rank's shard ``local`` (unpadded,
     ``spec.layout.local_shape``; the whole tensor when ``spec.layout`` is ``None``);
@@ -194,6 +215,10 @@ def gather_with_grad_sync(
     Gradient accumulation: with ``accumulator`` the gradient is not reduced but
     accumulated into ``accumulator.grad``; ``pending`` (that accumulated
     gradient) is added before the next reduction.
+
+    ``kept``: the full tensor (dim 0 first, in ``param_dtype``) kept gathered since
+    the last forward (``set_reshard_after_backward(False)``); returned instead of
+    gathering, with the same backward.
     """
     with fx_annotate(spec.tag.as_meta()):
-        return _GatherWithGradSync.apply(local, pending, accumulator, spec)
+        return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept)

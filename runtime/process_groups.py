@@ -16,6 +16,11 @@ _SIDE_GROUP = None
 _GROUP_LABELS: dict[str, str] = {}
 
 
+# (mesh ranks, group size) -> (the default process group then, the mesh whose dim 1 is
+# reshard_after_forward=<int>'s group): one set of groups for every unit that asks.
+_POST_FORWARD_MESHES: dict[tuple, tuple] = {}
+
+
 # Groups of the meshes tensor parallelism put parameters on (their collectives are
 # DTensor's, not ours).
 _TENSOR_PARALLEL_GROUPS: set[str] = set()
@@ -144,6 +149,24 @@ class DataParallelMesh:
         if sharded and self.shard_dim is not None:
             out[self.shard_dim] = strided_shard(shard_dim, tp_shards) if tp_shards > 1 else Shard(shard_dim)
         return (*out, *tp_placements)
+
+    def post_forward_group(self, size: int) -> tuple[str, int, int]:
+        """The smaller group ``reshard_after_forward=size`` keeps shards over, as FSDP2's:
+        the mesh's ranks in rows of ``size`` consecutive ranks (within one shard group,
+        as ``size`` divides it). Returns (group name, ``size``, this rank's index in it).
+        Creates the groups on first use: a collective over the mesh's ranks."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from fsdp_compile._compat import group_name_of
+
+        key = (tuple(self.mesh.mesh.flatten().tolist()), size)
+        world, mesh = _POST_FORWARD_MESHES.get(key, (None, None))
+        if world is not dist.group.WORLD:  # first use, or the process group was re-created since
+            rows = self.mesh.mesh.reshape(-1, size)
+            mesh = DeviceMesh(self.mesh.device_type, rows, mesh_dim_names=("post_forward_rows", "post_forward"))
+            label_mesh_groups(mesh)
+            _POST_FORWARD_MESHES[key] = (dist.group.WORLD, mesh)
+        return group_name_of(mesh.get_group(1)), size, mesh.get_local_rank(1)
 
     def reduce_group_names(self, sharded: bool) -> tuple[str, ...]:
         """Groups an all-reduced (not reduce-scattered) gradient is summed over, in order."""

@@ -55,6 +55,9 @@ class CollectiveTag:
         param_fqn: the parameter (a bucket: its members, comma-separated).
         unit_fqn: the sharding unit ("" for the root).
         reshard_after_forward: the unit's resolved setting.
+        reshard_to: with ``reshard_after_forward`` an int: the smaller group the
+            forward keeps a shard over, as ``(group name, group size, this rank's
+            index in it)``; the backward re-gathers from that shard over that group.
         forward_prefetched_by / backward_prefetched_by: the unit whose forward /
             backward should issue this all-gather (FSDP2's prefetch hints).
         bucket_size: how many parameters' collectives one bucketed node carries.
@@ -67,6 +70,7 @@ class CollectiveTag:
     forward_prefetched_by: str | None = None
     backward_prefetched_by: str | None = None
     bucket_size: int = 1
+    reshard_to: tuple[str, int, int] | None = None
 
     def as_meta(self, role: Role | None = None) -> dict:
         """The ``node.meta["custom"]`` value (what ``fx_annotate`` takes), with ``role``
@@ -78,6 +82,7 @@ class CollectiveTag:
                 "param_fqn": self.param_fqn,
                 "unit_fqn": self.unit_fqn,
                 "reshard_after_forward": self.reshard_after_forward,
+                "reshard_to": self.reshard_to,
                 "forward_prefetched_by": self.forward_prefetched_by,
                 "backward_prefetched_by": self.backward_prefetched_by,
                 "bucket_size": self.bucket_size,
@@ -96,7 +101,8 @@ def tag_of(node: fx.Node) -> CollectiveTag | None:
     fields = custom.get(TAG_KEY) if isinstance(custom, dict) else None
     if fields is None:
         return None
-    return CollectiveTag(**{**fields, "role": Role(fields["role"])})
+    reshard_to = fields.get("reshard_to")
+    return CollectiveTag(**{**fields, "role": Role(fields["role"]), "reshard_to": None if reshard_to is None else tuple(reshard_to)})
 
 
 def set_tag(node: fx.Node, tag: CollectiveTag) -> None:

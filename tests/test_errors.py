@@ -92,15 +92,24 @@ def test_shared_parameter_with_conflicting_mesh(fake_pg):
         fully_shard(b, mesh=other)
 
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        (dict(reshard_after_forward=2), r"reshard_after_forward=2: resharding to a smaller group \(int\) is not supported"),
-    ],
-)
-def test_unsupported_options_are_not_ignored(fake_pg, kwargs, match):
-    with pytest.raises(NotImplementedError, match=match):
-        fully_shard(nn.Linear(4, 4), **kwargs)
+@pytest.mark.parametrize("size", [0, 3, 16])
+def test_reshard_size_must_divide_the_shard_group(fake_pg, size):
+    with pytest.raises(ValueError, match=rf"fully_shard\(Linear\): reshard_after_forward={size} must divide the shard group's size \(8\)"):
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=size)
+
+
+def test_reshard_size_of_wrong_type(fake_pg):
+    with pytest.raises(TypeError, match=r"reshard_after_forward=2.0: use True .* or an int"):
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=2.0)
+
+
+def test_reshard_sizes_one_and_the_whole_group_are_the_bools(fake_pg):
+    """As FSDP2: 1 keeps everything (False, with a warning), the group's size is True."""
+    with pytest.warns(UserWarning, match="reshard_after_forward=1 .* as reshard_after_forward=False"):
+        one = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
+    whole = fully_shard(nn.Linear(4, 4), reshard_after_forward=8)
+    assert one._fsdp_unit.reshard_after_forward is False and one._fsdp_unit.reshard_to is None
+    assert whole._fsdp_unit.reshard_after_forward is True and whole._fsdp_unit.reshard_to is None
 
 
 def test_prefetch_hints_need_sharded_modules(fake_pg):

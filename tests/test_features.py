@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -128,20 +130,31 @@ def load_checkpoint(path: str, kind: str, name: str = "llama") -> dict:
     return _full_params(model)
 
 
-def gradient_accumulation(kind: str, backend: str | None, name: str = "llama", micro_batches: int = 4, steps: int = 2) -> dict:
+def gradient_accumulation(
+    kind: str, backend: str | None, name: str = "llama", micro_batches: int = 4, steps: int = 2, keep_gathered: bool = False
+) -> dict:
     """``steps`` optimizer steps of ``micro_batches`` micro-batches each; gradient sync only
-    on the last micro-batch of a step (``set_requires_gradient_sync``)."""
+    on the last micro-batch of a step (``set_requires_gradient_sync``); with
+    ``keep_gathered``, parameters also stay gathered between the micro-batches
+    (``set_reshard_after_backward``). Records the all-gathers each micro-batch of the
+    last step issues."""
     model, units = build(name)
     _shard(units, kind)
     run, counter = compile_counting_graphs(model, backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, frames_after_first_step = [], None
+    losses, frames_after_first_step, gathers = [], None, []
     for step in range(steps):
         for micro in range(micro_batches):
             model.set_requires_gradient_sync(micro == micro_batches - 1)
+            if keep_gathered:
+                model.set_reshard_after_backward(micro == micro_batches - 1)
             x, y = batch(name, step * micro_batches + micro)
-            loss = loss_fn(name, run(_local(x)), _local(y)) / micro_batches
-            loss.backward()
+            with _count_all_gathers() as forward_gathers:
+                loss = loss_fn(name, run(_local(x)), _local(y)) / micro_batches
+            with _count_all_gathers() as backward_gathers:
+                loss.backward()
+            if step == steps - 1:
+                gathers.append((forward_gathers(), backward_gathers()))
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
@@ -151,7 +164,16 @@ def gradient_accumulation(kind: str, backend: str | None, name: str = "llama", m
         "losses": losses,
         "params": _full_params(model),
         "frames": (frames_after_first_step, counter.frame_count) if counter else None,
+        "gathers": gathers,
     }
+
+
+@contextlib.contextmanager
+def _count_all_gathers():
+    """Yields a function that returns how many functional all-gathers ran inside (eager
+    or compiled code)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield lambda: sum(e.count for e in prof.key_averages() if e.key == "_c10d_functional::all_gather_into_tensor")
 
 
 def module_methods() -> dict:
@@ -325,6 +347,31 @@ def test_gradient_accumulation_matches_torch_fsdp2(pool2):
     for result in (compiled, inductor):
         first, total = result["frames"]
         assert first == total == 2
+
+
+def test_keeping_parameters_gathered_between_micro_batches_matches_torch_fsdp2(pool2):
+    """set_reshard_after_backward(False) on all but the last micro-batch, as FSDP2's docs
+    suggest: same parameters as FSDP2 doing the same, and only the first micro-batch
+    of a step gathers (the others read the kept parameters)."""
+    fsdp2 = pool2.run(gradient_accumulation, "fsdp2", None, keep_gathered=True)[0]
+    eager = pool2.run(gradient_accumulation, "ours", None, keep_gathered=True)[0]
+    compiled = pool2.run(gradient_accumulation, "ours", "aot_eager", keep_gathered=True)[0]
+    inductor = pool2.run(gradient_accumulation, "ours", "inductor", keep_gathered=True)[0]
+    _equal(compiled["params"], eager["params"])  # same ops: bitwise
+    assert compiled["losses"] == eager["losses"]
+    for result in (eager, inductor):
+        _equal(result["params"], fsdp2["params"], rtol=1e-5, atol=1e-6)
+    for result in (eager, compiled, inductor):
+        first, *rest = result["gathers"]
+        assert first[0] > 0 and [forward for forward, _ in rest] == [0, 0, 0], result["gathers"]
+        # Kept parameters need no re-gather in backward, but in the last micro-batch's
+        # eager backward: it frees them after forward and gathers again, as FSDP2 does.
+        assert [backward for _, backward in (first, *rest[:2])] == [0, 0, 0], result["gathers"]
+    # One graph per mode: gather and keep; read kept and keep; read kept and free (the
+    # last micro-batch also syncs gradients). Compiled in the first step only.
+    for result in (compiled, inductor):
+        first, total = result["frames"]
+        assert first == total == 3
 
 
 def test_fsdp_module_methods(pool2):

@@ -74,6 +74,7 @@ def placements_and_graph(layout: str) -> dict:
         "forward": _collectives(graphs[0]),
         "backward": _collectives(graphs[1]),
         "device_copies": device_copies,
+        "reshard_to": model.layers[0]._fsdp_unit.reshard_to,
     }
 
 
@@ -115,6 +116,22 @@ def test_hsdp_shards_over_dim_1_and_all_reduces_over_dim_0(pool4):
         assert backward_ops == {("all_gather_into_tensor", shard), ("reduce_scatter_tensor", shard), ("all_reduce", replicate)}
         first_reduce = next(i for i, c in enumerate(info["backward"]) if c[0] == "reduce_scatter_tensor")
         assert all(c[0] != "all_reduce" for c in info["backward"][:first_reduce])
+
+
+def test_reshard_to_a_smaller_group_matches_reference_and_torch(pool4):
+    """reshard_after_forward=2 on 4 ranks (FSDP2's int): same numbers as the reference
+    and FSDP2's; forward gathers over all 4 ranks, backward over pairs (0, 1) / (2, 3)."""
+    variants = ["reference", *OURS, "fsdp2"]
+    _check_parity(pool4.run(train_all, "llama", variants, 3, False, None, "reshard-half"), variants)
+    for rank, info in enumerate(pool4.run(placements_and_graph, "reshard-half")):
+        shard = info["groups"]["shard"]
+        assert {(op, g, n) for op, g, n in info["forward"]} == {("all_gather_into_tensor", shard, 4)}, rank
+        pair = info["reshard_to"]
+        assert tuple(pair[1:]) == (2, rank % 2) and pair[0] != shard
+        assert {(op, g, n) for op, g, n in info["backward"]} == {
+            ("all_gather_into_tensor", pair[0], 2),
+            ("reduce_scatter_tensor", shard, 4),
+        }, rank
 
 
 def test_replicate_matches_reference_and_torch_replicate(pool2):

@@ -33,7 +33,8 @@ MIXED_PRECISION = {
 
 def _shard_model(variant: str, units, mp: str | None = None, layout: str = "fsdp") -> None:
     """Shard ``units`` bottom-up. ``layout``: ``fsdp`` (1-D mesh), ``hsdp`` (2 x world/2
-    mesh, replicate x shard), ``ddp`` (``replicate``) or ``offload`` (``CPUOffloadPolicy``)."""
+    mesh, replicate x shard), ``ddp`` (``replicate``), ``offload`` (``CPUOffloadPolicy``)
+    or ``reshard-half`` (1-D mesh, ``reshard_after_forward=world/2``)."""
     if variant == "reference":
         return
     from torch.distributed.device_mesh import init_device_mesh
@@ -51,6 +52,8 @@ def _shard_model(variant: str, units, mp: str | None = None, layout: str = "fsdp
         kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     elif layout == "offload":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif layout == "reshard-half":
+        kwargs["reshard_after_forward"] = dist.get_world_size() // 2
     apply = replicate if layout == "ddp" else fully_shard
     for unit in units:
         apply(unit, mp_policy=policy, **kwargs)

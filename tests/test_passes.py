@@ -9,6 +9,7 @@ from fsdp_compile._compat import CheckpointPolicy, c10d_functional, get_joint_cu
 from fsdp_compile.passes import install_passes, tag_reshard_after_forward
 from fsdp_compile.passes.registration import _ChainedJointPass
 from fsdp_compile.runtime import CollectiveTag, Role
+from fsdp_compile.runtime.vocabulary import set_tag
 
 aten = torch.ops.aten
 
@@ -22,10 +23,10 @@ def _unshard_then_matmul(reshard: bool, annotate: bool = True, backward: bool = 
     t = g.call_function(aten.t.default, (wait,))
     mm = g.call_function(aten.mm.default, (x, t))
     g.output(mm)
-    meta = CollectiveTag(Role.UNSHARD, "w", "layers.0", reshard).as_meta()
+    tag = CollectiveTag(Role.UNSHARD, "w", "layers.0", reshard)
     for node in (ag, wait):
         if annotate:
-            node.meta["custom"] = meta
+            set_tag(node, tag)
         if backward:
             node.meta["partitioner_tag"] = "is_backward"
     return fx.GraphModule(torch.nn.Module(), g), dict(ag=ag, wait=wait, t=t, mm=mm)
@@ -95,6 +96,89 @@ def test_registration_chains_with_a_user_pass_and_is_idempotent():
         set_joint_custom_pass(saved)
 
 
+def _joint_with_backward_read(reshard_to, checkpointed: bool = False) -> tuple[fx.GraphModule, dict]:
+    """A joint graph: shard -> all_gather(4 ranks) -> wait -> t -> mm(x, .) in forward; the
+    backward reads ``t`` (``mm(tangent, t(t))``), as ``F.linear``'s backward does. With
+    ``checkpointed``, a forward node recomputed by an activation checkpoint reads it too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.graph_utils import emit
+
+    g, mode = fx.Graph(), FakeTensorMode()
+    shard, x, tangent = g.placeholder("shard"), g.placeholder("x"), g.placeholder("tangents_1")
+    for node, shape in ((shard, (2, 4)), (x, (5, 4)), (tangent, (5, 8))):
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+    tag = CollectiveTag(Role.UNSHARD, "w", "layers.0", True, reshard_to=reshard_to)
+    ag = emit(g, c10d_functional.all_gather_into_tensor.default, (shard, 4, "0"), tag=tag)
+    wait = emit(g, c10d_functional.wait_tensor.default, (ag,), tag=tag)
+    t = emit(g, aten.t.default, (wait,))
+    mm = emit(g, aten.mm.default, (x, t))
+    outputs = [mm]
+    if checkpointed:
+        relu = emit(g, aten.relu.default, (t,))
+        relu.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        outputs.append(relu)
+    t_t = emit(g, aten.t.default, (t,))
+    grad_x = emit(g, aten.mm.default, (tangent, t_t))
+    for node in (t_t, grad_x):
+        node.meta["partitioner_tag"] = "is_backward"
+    g.output((*outputs, grad_x))
+    return fx.GraphModule(torch.nn.Module(), g), dict(ag=ag, wait=wait, t=t, t_t=t_t)
+
+
+def _run_with_stand_in_collectives(gm: fx.GraphModule, *inputs):
+    """``gm`` on real tensors, an all-gather of n ranks standing in as n copies of the input."""
+    gm = copy.deepcopy(gm)
+    for node in gm.graph.nodes:
+        if node.target is c10d_functional.all_gather_into_tensor.default:
+            node.target = lambda shard, n, group: torch.cat([shard] * n)
+        elif node.target is c10d_functional.wait_tensor.default:
+            node.target = torch.clone
+    gm.recompile()
+    return gm(*inputs)
+
+
+def test_backward_regathers_over_the_smaller_group_from_a_kept_block():
+    from fsdp_compile.passes import regather_from_post_forward_shards
+
+    gm, nodes = _joint_with_backward_read(("1", 2, 1))
+    inputs = (torch.randn(2, 4), torch.randn(5, 4), torch.randn(5, 8))
+    before = _run_with_stand_in_collectives(gm, *inputs)
+    tag_reshard_after_forward(gm)
+    regather_from_post_forward_shards(gm)
+    gm.graph.lint()
+    # The backward's t(t) now reads a copy of t over an all-gather of rows 4-8 (rank 1's
+    # half of the 8 gathered rows) over group "1" of 2 ranks, placed in the backward.
+    copy_of_t = nodes["t_t"].args[0]
+    new_wait = copy_of_t.args[0]
+    regather = new_wait.args[0]
+    kept = regather.args[0]
+    assert copy_of_t is not nodes["t"] and copy_of_t.target is aten.t.default
+    assert regather.target is c10d_functional.all_gather_into_tensor.default and regather.args[1:] == (2, "1")
+    assert kept.target is aten.clone.default and kept.args[0].args == (nodes["wait"], 0, 4, 8)
+    assert all(n.meta["partitioner_tag"] == "must_be_in_backward" for n in (regather, new_wait, copy_of_t))
+    assert "partitioner_tag" not in kept.meta
+    # The forward chain is no longer recomputed (the partitioner saves the block instead).
+    assert all("recompute" not in nodes[k].meta for k in ("ag", "wait", "t"))
+    for got, want in zip(_run_with_stand_in_collectives(gm, *inputs), before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_regather_pass_leaves_other_chains_to_the_reshard_tags():
+    """No smaller group, or a checkpointed region that recomputes the weight's reader in
+    backward: the chain stays as tag_reshard_after_forward left it (re-gathered whole)."""
+    from fsdp_compile.passes import regather_from_post_forward_shards
+
+    for reshard_to, checkpointed in ((None, False), (("1", 2, 1), True)):
+        gm, nodes = _joint_with_backward_read(reshard_to, checkpointed)
+        tag_reshard_after_forward(gm)
+        code_before = gm.code
+        regather_from_post_forward_shards(gm)
+        assert gm.code == code_before
+        assert nodes["ag"].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+
+
 # ---------------------------------------------------------------- post-grad passes
 
 import copy  # noqa: E402
@@ -103,7 +187,7 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_compile.passes.bucketing import bucket_collectives, plan_buckets  # noqa: E402
-from fsdp_compile.runtime.vocabulary import our_collectives  # noqa: E402
+from fsdp_compile.runtime.vocabulary import our_collectives, positions  # noqa: E402
 from fsdp_compile.passes.pinning import schedule_constraints  # noqa: E402
 from fsdp_compile.passes.reordering import reorder_for_overlap, tail_of  # noqa: E402
 from tests.pass_graphs import build_unit_graph, node_signature  # noqa: E402
@@ -139,10 +223,6 @@ def outputs_before_and_after_passes(bias_dtype: torch.dtype = torch.float32) -> 
 
 def _sequence(graph):
     return [(c.kind, c.input_numel) for c in our_collectives(graph)]
-
-
-def _positions(graph):
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -207,7 +287,7 @@ def test_reordering_moves_nodes_only_and_overlaps():
     gm.graph.lint()
     assert node_signature(gm.graph) == before
     assert _sequence(gm.graph) == sequence_before
-    pos = _positions(gm.graph)
+    pos = positions(gm.graph)
     gathers = our_collectives(gm.graph, "all_gather")
     for k in range(1, len(gathers)):
         assert pos[gathers[k].issue] < pos[gathers[k - 1].wait], f"all-gather {k} is not prefetched"
@@ -226,7 +306,7 @@ def test_memory_bound_disables_prefetch():
     gm, _ = build_unit_graph(2, 0, "0", N_UNITS)
     bucket_collectives(gm.graph)
     reorder_for_overlap(gm.graph, prefetch_depth=1, max_inflight_bytes=1)
-    pos = _positions(gm.graph)
+    pos = positions(gm.graph)
     gathers = our_collectives(gm.graph, "all_gather")
     for k in range(1, len(gathers)):
         assert pos[gathers[k].issue] > pos[gathers[k - 1].wait]
@@ -243,7 +323,7 @@ def test_prefetch_hint_overrides_depth():
     reorder_for_overlap(gm.graph, prefetch_depth=0, max_inflight_bytes=1)
     gm.graph.lint()
     assert node_signature(gm.graph) == before and _sequence(gm.graph) == sequence_before
-    pos = _positions(gm.graph)
+    pos = positions(gm.graph)
     g0, g1, g2 = our_collectives(gm.graph, "all_gather")[:3]
     assert pos[g0.issue] < pos[g1.issue] < pos[g2.issue] < pos[g0.wait]
     assert pos[g1.wait] > pos[g0.wait]
@@ -253,7 +333,7 @@ def test_prefetch_hint_from_a_later_unit_is_ignored():
     gm, _ = build_unit_graph(2, 0, "0", N_UNITS, forward_prefetched_by={"layers.0": "layers.2"})
     bucket_collectives(gm.graph)
     reorder_for_overlap(gm.graph, prefetch_depth=0)
-    pos = _positions(gm.graph)
+    pos = positions(gm.graph)
     gathers = our_collectives(gm.graph, "all_gather")
     for k in range(1, len(gathers)):
         assert pos[gathers[k].issue] > pos[gathers[k - 1].wait]
@@ -264,7 +344,7 @@ def test_pinning_constraints_follow_the_schedule():
     bucket_collectives(gm.graph)
     reorder_for_overlap(gm.graph)
     deps = schedule_constraints(gm.graph)
-    pos = _positions(gm.graph)
+    pos = positions(gm.graph)
     assert deps
     for dependent, before in deps.items():
         assert all(pos[b] < pos[dependent] for b in before)  # forward edges only: no cycle

@@ -129,6 +129,54 @@ def test_reshard_after_forward_in_graphs(fake_pg, partitioner, reshard):
         assert collective_nodes(bw, ALL_GATHER) == []
 
 
+@pytest.mark.parametrize("partitioner", ["default", "min_cut"])
+def test_reshard_to_a_smaller_group_in_graphs(fake_pg, partitioner):
+    """reshard_after_forward=4 on 8 ranks: the forward keeps a quarter of each gathered
+    weight (rows 4-7 of 16 on rank 5, in ranks 4-7's group); the backward all-gathers
+    those blocks over the group of 4 instead of gathering the shards over all 8."""
+    model = shard_blocks(MLPStack(dim=16, n_layers=4), reshard_after_forward=4)
+    unit = model.layers[0]._fsdp_unit
+    group, size, index = unit.reshard_to
+    assert (size, index) == (4, 0) and model._fsdp_unit.reshard_to is None  # rank 0 of the fake world
+    fw, bw = _compiled_step_graphs(model, torch.randn(2, 16, requires_grad=True), partitioner)
+    assert [(n.args[1], n.args[2]) for n in collective_nodes(fw, ALL_GATHER)] == [(8, unit.dp_mesh.shard_group_name)] * 4
+    assert [(n.args[1], n.args[2]) for n in collective_nodes(bw, ALL_GATHER)] == [(4, group)] * 4
+    assert [tuple(n.args[0].meta["val"].shape) for n in collective_nodes(bw, ALL_GATHER)] == [(4, 16)] * 4
+    assert saved_all_gathers(fw) == []
+    saved_shapes = [tuple(a.meta["val"].shape) for a in fw.graph.output_node().args[0] if isinstance(a, torch.fx.Node)]
+    assert saved_shapes.count((4, 16)) == 4 and (16, 16) not in saved_shapes
+
+
+def test_hsdp_reshards_to_consecutive_ranks_within_a_shard_group(fake_pg):
+    """HSDP on a (replicate=2, shard=4) mesh, reshard_after_forward=2: rank 0 keeps its
+    block over ranks (0, 1), inside its shard group (0, 1, 2, 3), as FSDP2's mesh rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compile._compat import group_ranks
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    model = shard_blocks(MLPStack(dim=16, n_layers=2), mesh=mesh, reshard_after_forward=2, root_too=True)
+    group, size, index = model.layers[0]._fsdp_unit.reshard_to
+    assert (group_ranks(group), size, index) == ([0, 1], 2, 0)
+    fw, bw = _compiled_step_graphs(model, torch.randn(2, 16, requires_grad=True), "min_cut")
+    assert {(n.args[1], n.args[2]) for n in collective_nodes(bw, ALL_GATHER)} == {(2, group)}
+    assert saved_all_gathers(fw) == []
+
+
+def test_eager_reshard_to_a_smaller_group(fake_pg):
+    """Eager backward gathers the kept blocks over the smaller group, like compiled."""
+    model = shard_blocks(MLPStack(dim=16, n_layers=4), reshard_after_forward=2)
+    group, _, _ = model.layers[0]._fsdp_unit.reshard_to
+    forward_log, backward_log = _CollectiveLog(), _CollectiveLog()
+    with forward_log:
+        loss = model(torch.randn(2, 16)).sum()
+    with backward_log:
+        loss.backward()
+    assert forward_log.groups == [(8, model.layers[0]._fsdp_unit.dp_mesh.shard_group_name)] * 4
+    assert backward_log.groups == [(2, group)] * 3  # layer 0's weight is not needed in backward
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_first_layer_weight_not_regathered_without_input_grad(fake_pg):
     """Layer 0's weight is only needed in backward for the input's gradient."""
     model = shard_blocks(MLPStack(dim=16, n_layers=3))
@@ -214,12 +262,14 @@ class _CollectiveLog(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.gathers = 0
+        self.groups = []  # (group size, group name) of each all-gather
         self.results = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is ALL_GATHER.default:
             self.gathers += 1
+            self.groups.append((args[1], args[2]))
         if func is c10d_functional.wait_tensor.default:
             import weakref
 
@@ -252,5 +302,5 @@ def test_set_reshard_after_forward_changes_the_backward_graph(fake_pg):
     model.set_reshard_after_forward(False)
     fw, bw = _compiled_step_graphs(model, torch.randn(2, 16, requires_grad=True), "min_cut")
     assert collective_nodes(bw, ALL_GATHER) == [] and len(saved_all_gathers(fw)) == 3
-    with pytest.raises(NotImplementedError, match="set_reshard_after_backward"):
-        model.set_reshard_after_backward(False)
+    with pytest.raises(TypeError, match="set_reshard_after_backward"):
+        model.set_reshard_after_backward(None)

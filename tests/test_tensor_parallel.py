@@ -30,15 +30,15 @@ def parallelize(model, mesh, sequence_parallel: bool, shard) -> None:
     ``mesh["dp"]`` per block and on the root."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from tests.models import shard_blocks
+
     root_plan, block_plan = tp_models.tp_plan(sequence_parallel)
     # ``mesh``: a DeviceMesh with "dp" and "tp" dimensions, or a dict of the two meshes.
     if root_plan:
         parallelize_module(model, mesh["tp"], root_plan)
     for block in model.layers:
         parallelize_module(block, mesh["tp"], block_plan)
-    for block in model.layers:
-        shard(block, mesh=mesh["dp"])
-    shard(model, mesh=mesh["dp"])
+    shard_blocks(model, shard, root_too=True, mesh=mesh["dp"])
 
 
 def train(variant: str, sequence_parallel: bool = False, steps: int = STEPS, hsdp: bool = False) -> dict:
@@ -245,6 +245,20 @@ def test_tp_placements_fsdp_cannot_shard_are_rejected(fake_pg):
     module.weight = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 4), mesh["tp"], [Partial()]))
     with pytest.raises(NotImplementedError, match=r"'weight'.*Partial"):
         fully_shard(module, mesh=mesh["dp"])
+
+
+def test_reshard_to_a_smaller_group_is_rejected_with_tp(fake_pg):
+    """As in FSDP2: resharding TP parameters to a smaller group is not supported."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fsdp_compile import fully_shard
+
+    model, mesh = tp_models.build(), init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model.layers[0], mesh["tp"], tp_models.tp_plan(False)[1])
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 .*tensor-parallel parameters \(e\.g\. 'attention\.wq\.weight'\)"):
+        fully_shard(model.layers[0], mesh=mesh["dp"], reshard_after_forward=2)
+    fully_shard(model.layers[0], mesh=mesh["dp"], reshard_after_forward=4)  # the whole dp group: True
 
 
 # ------------------------------------------------------------- HSDP + TP (3-D)
