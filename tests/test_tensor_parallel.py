@@ -254,11 +254,13 @@ def test_reshard_to_a_smaller_group_is_rejected_with_tp(fake_pg):
 
     from fsdp_compile import fully_shard
 
-    model, mesh = tp_models.build(), init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model.layers[0], mesh["tp"], tp_models.tp_plan(False)[1])
+    # Dimension names of its own: torch caches a submesh's root mesh by the submesh's ranks
+    # and names across process groups, and the 3-D tests below slice an equal "tp" submesh.
+    model, mesh = tp_models.build(), init_device_mesh("cpu", (4, 2), mesh_dim_names=("data", "model"))
+    parallelize_module(model.layers[0], mesh["model"], tp_models.tp_plan(False)[1])
     with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 .*tensor-parallel parameters \(e\.g\. 'attention\.wq\.weight'\)"):
-        fully_shard(model.layers[0], mesh=mesh["dp"], reshard_after_forward=2)
-    fully_shard(model.layers[0], mesh=mesh["dp"], reshard_after_forward=4)  # the whole dp group: True
+        fully_shard(model.layers[0], mesh=mesh["data"], reshard_after_forward=2)
+    fully_shard(model.layers[0], mesh=mesh["data"], reshard_after_forward=4)  # the whole dp group: True
 
 
 # ------------------------------------------------------------- HSDP + TP (3-D)
