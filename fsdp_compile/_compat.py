@@ -298,6 +298,15 @@ def register_fake_process_group() -> None:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
+def compile_in_this_process() -> None:
+    """torch/_inductor/config.py ``compile_threads``: Inductor compiles kernels in this
+    process instead of a pool of worker subprocesses (several hundred MB each, per
+    process that compiles)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+
+
 def inductor_comm_overlap_flags() -> dict[str, bool]:
     """torch/_inductor/config.py: the Inductor flags that make its scheduler move
     collectives and waits to overlap compute by itself, with their current values
@@ -319,6 +328,8 @@ def inductor_comm_overlap_flags() -> dict[str, bool]:
 
 __all__ = [
     "c10d_functional",
+    "compile_in_this_process",
+    "place_in_backward",
     "fx_annotate",
     "CheckpointPolicy",
     "get_joint_custom_pass",

@@ -42,9 +42,13 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, conn: Conn
     import torch
     import torch.distributed as dist
 
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile._compat import compile_in_this_process, reset_dynamo
 
     torch.set_num_threads(1)
+    # By default each rank would compile in a pool of subprocesses of its own; with
+    # several ranks on one machine those pools held much of the memory (on a 24 GiB
+    # machine a rank died mid-collective). The ranks already run in parallel.
+    compile_in_this_process()
     if backend == "fake":
         from fsdp_compile._compat import register_fake_process_group
 

@@ -21,14 +21,21 @@ from fsdp_compile.testing._rank_pool import RankPool
 
 @pytest.fixture(scope="session")
 def rank_pools():
-    """``rank_pools(world_size, backend="gloo")``: a pool per size, kept for the session."""
+    """``rank_pools(world_size, backend="gloo")``: a pool per size, kept for the session.
+
+    The 2-rank pool stays up; asking for another size stops the other larger pools
+    (their processes, not the objects: a stopped pool starts again on its next
+    ``run``), so at most 2 + N ranks hold memory at once."""
     pools: dict[tuple[int, str], RankPool] = {}
 
     def get(world_size: int = 2, backend: str = "gloo") -> RankPool:
         key = (world_size, backend)
+        for other_key, other in pools.items():
+            if other_key != key and other_key[0] > 2:
+                other.close()
         if key not in pools:
             pools[key] = RankPool(world_size, backend=backend)
-            pools[key].start()
+        pools[key].start()
         return pools[key]
 
     yield get
