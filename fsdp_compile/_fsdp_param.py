@@ -172,7 +172,7 @@ class FSDPParam:
     def post_forward_shard(self) -> torch.Tensor:
         """This rank's block of the gathered tensor kept after forward when the unit
         reshards to a smaller group (eager code: the saved-tensor hooks)."""
-        name, size, index = self.unit.reshard_to
+        _, size, index = self.unit.reshard_to
         full = self.gathered.movedim(self.shard_dim, 0) if self.shard_dim else self.gathered
         with torch.no_grad():
             return post_forward_shard(full, self.layout, size, index)
