@@ -6,6 +6,7 @@ printed under a heading with the command that reproduces it and its run time:
 
 * ``step_time``    step time, tokens/s, compile time and graphs: FSDP2 eager,
                    FSDP2 + torch.compile, ours eager / compiled (2 CPU ranks, loopback);
+* ``breakdown``    where the compiled step's time goes, against the compute-only limit;
 * ``shaped_link``  the same over a veth pair shaped with tc (root only; skips otherwise);
 * ``memory``       peak memory per rank, reshard_after_forward True and False;
 * ``comm_volume``  bytes and collectives per step vs the ideal;
@@ -28,10 +29,11 @@ import time
 
 from benchmarks._common import benchmark_parser
 
-BENCHMARKS = ["step_time", "shaped_link", "memory", "comm_volume", "graph_count", "passes_vs_builtin", "scale", "dynamic_shapes"]
+BENCHMARKS = ["step_time", "breakdown", "shaped_link", "memory", "comm_volume", "graph_count", "passes_vs_builtin", "scale", "dynamic_shapes"]
 QUICK_ARGS = {
     "step_time": ["--quick"],
-    "shaped_link": ["--quick"],
+    "breakdown": ["--quick"],
+    "shaped_link": ["--quick", "--rates", "1gbit"],
     "memory": ["--quick"],
     "comm_volume": ["--quick"],
     "graph_count": ["--layers", "2"],

@@ -111,13 +111,13 @@ def measure_checkpointing(mode, backend: str | None, layers: int, dim: int, seq:
 
 
 def main(argv=None) -> None:
-    p = benchmark_parser(__doc__, quick_help="4 layers of width 512 (a smoke run)")
+    p = benchmark_parser(__doc__, quick_help="2 layers of width 256 (a smoke run)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
     args = p.parse_args(argv)
     if args.quick:
-        args.layers, args.dim, args.batch = 4, 512, 8
+        args.layers, args.dim, args.batch = 2, 256, 4
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     one_thread_per_rank()
     from fsdp_compile.testing import RankPool
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         print(f"| {label} | {kept} | {peak} |")
 
     # Activation checkpointing inside each sharded decoder layer.
-    ac_layers, ac_dim, ac_seq, ac_batch = (2, 128, 128, 2) if args.quick else (4, 512, 1024, 4)
+    ac_layers, ac_dim, ac_seq, ac_batch = (1, 64, 64, 2) if args.quick else (4, 512, 1024, 4)
     ac_rows = []
     with RankPool(2, timeout_s=1800) as pool:
         for backend in (None, "inductor"):

@@ -13,7 +13,12 @@ AdamW, fp32. Five setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eag
 ours compiled with our passes off (``config.patch(bucketing=False, reorder=False)``)
 and ours compiled; each reshards the decoder layers after forward (FSDP2's default:
 ``reshard_after_forward=True`` for the layers, the root keeps its parameters).
-Default model: 33.6M parameters; ``--quick`` uses a 0.1M-parameter model and 3
+And the **compute-only limit** (``unsharded-compiled``): every rank trains an
+unsharded replica, compiled, on its own local batch, with no communication: the
+fastest a data-parallel step can be here, and, cold, the unsharded model's compile
+time that ours is compared with. The ratio columns divide by FSDP2 eager's and by
+this limit's median step.
+Default model: 33.6M parameters; ``--quick`` uses a 1-layer 0.08M-parameter model and 2
 steps (a smoke run: 1-2 minutes with warm compile caches).
 
 Peers, on the newest torch (they need ``triton`` importable; without it they are
@@ -79,6 +84,7 @@ from benchmarks._common import benchmark_parser, table_header
 
 # id (for --setups) -> (label, implementation, compiled, fsdp_compile.config changes)
 SETUPS = {
+    "unsharded-compiled": ("compute-only limit: unsharded, compiled", "unsharded", True, {}),
     "fsdp2-eager": ("fsdp2 eager", "fsdp2", False, {}),
     "fsdp2-compiled": ("fsdp2 + torch.compile", "fsdp2", True, {}),
     "ours-eager": ("ours eager", "ours", False, {}),
@@ -91,6 +97,8 @@ SETUPS = {
 }
 #: The setups ``benchmarks.shaped_link`` runs by default (step_time runs them all).
 BASE_SETUPS = ["fsdp2-eager", "fsdp2-compiled", "ours-eager", "ours-compiled-nopasses", "ours-compiled"]
+#: The setup that is its own compute-only run: each rank its local batch, unsharded, no communication.
+LIMIT = "unsharded-compiled"
 #: Setups compared with the peers, run only where the peers can run (``benchmarks/_peers.py``):
 #: id -> (reshard the decoder layers after forward, the peer's Inductor pass or None).
 PEER_SETUPS = {
@@ -102,8 +110,8 @@ PEER_SETUPS = {
 
 #: Default size: 8 layers, dim 512, vocab 16384 (33.6M parameters), seq 256, batch 2/rank.
 FULL = {"layers": 8, "dim": 512, "vocab": 16384, "seq": 256, "batch": 2, "steps": 8}
-#: ``--quick``: 2 layers, dim 64, vocab 512 (0.13M parameters), seq 64, 3 steps.
-QUICK = {"layers": 2, "dim": 64, "vocab": 512, "seq": 64, "batch": 2, "steps": 3}
+#: ``--quick``: 1 layer, dim 64, vocab 512 (0.08M parameters), seq 64, 2 steps.
+QUICK = {"layers": 1, "dim": 64, "vocab": 512, "seq": 64, "batch": 2, "steps": 2}
 
 
 def add_model_args(p: argparse.ArgumentParser, setups: list[str] | None = None) -> None:
@@ -138,13 +146,13 @@ def resolve(args) -> argparse.Namespace:
     unknown = [n for n in names if n not in SETUPS]
     if unknown:
         raise SystemExit(f"unknown setup(s) {unknown}; choose from {list(SETUPS)}")
-    peers = [n for n in names if n in PEER_SETUPS]
+    peers = [n for n in names if SETUPS[n][1] == "simplefsdp"]
     if peers and not getattr(args, "skipped", None):
         from benchmarks import _peers
 
         line = _peers.skip_line("setups " + ", ".join(peers))
         if line:
-            names = [n for n in names if n not in PEER_SETUPS]
+            names = [n for n in names if n not in peers]
             args.skipped = line
     args.skipped = getattr(args, "skipped", None)
     args.setups = names
@@ -219,6 +227,7 @@ def measure(
     compute_only: bool = True,
     cold_compile: bool = True,
     record_collectives: bool = False,
+    breakdown: bool = False,
 ) -> dict:
     """Runs on every rank of an initialised process group; rank 0's result is used.
 
@@ -251,7 +260,7 @@ def measure(
     variants = [(name, False) for name in setups]
     local_mesh = None
     if compute_only:
-        variants += [(name, True) for name in setups]
+        variants += [(name, True) for name in setups if SETUPS[name][1] != "unsharded"]
         groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
         local_mesh = DeviceMesh.from_group(groups[rank], "cpu")
     built = {}
@@ -267,7 +276,9 @@ def measure(
         torch.manual_seed(0)
         model = Llama(cfg)
         inductor_changes = {}
-        if kind == "simplefsdp":
+        if kind == "unsharded":
+            pass  # each rank trains its own replica on its local batch: no communication
+        elif kind == "simplefsdp":
             from benchmarks import _peers
 
             _peers.simple_fsdp(model, local_mesh if local else world_mesh, lambda fqn: reshard and fqn.startswith("layers."))
@@ -319,11 +330,14 @@ def measure(
             first[key] = timed_step(key)
         graphs[key] = built[key][3]["graphs"]
     times = {key: [] for key in variants}
+    other_threads_cpu = {key: [] for key in variants}
     calls = {}
     for _ in range(steps):
         for key in variants:
             before = built[key][3]["calls"]
+            cpu, main_cpu = time.process_time(), time.thread_time()
             times[key].append(timed_step(key))
+            other_threads_cpu[key].append((time.process_time() - cpu) - (time.thread_time() - main_cpu))
             calls[key] = built[key][3]["calls"] - before
 
     collectives = {}
@@ -336,6 +350,20 @@ def measure(
                 train_step((name, False))
             collectives[name] = gloo_collectives(prof)
 
+    profiled = {}
+    if breakdown:
+        from torch.profiler import ProfilerActivity, profile
+
+        from benchmarks.breakdown import categorize
+
+        for name in setups:
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                train_step((name, False))
+                step_s = time.perf_counter() - start
+            profiled[name] = categorize(prof, step_s)
+
     def by_setup(values: dict, local: bool = False) -> dict:
         return {name: values[(name, local)] for name in setups if (name, local) in values}
 
@@ -346,7 +374,9 @@ def measure(
         "first": by_setup(first),
         "times": by_setup(times),
         "median": by_setup(medians),
-        "compute_only": by_setup(medians, local=True),
+        "compute_only": {name: medians.get((name, True), medians[(name, False)]) for name in setups},
+        "other_threads_cpu": by_setup({key: statistics.median(t) for key, t in other_threads_cpu.items()}),
+        "breakdown": profiled,
         "graphs": by_setup(graphs),
         "calls_per_step": by_setup(calls),
         "recompiles": {name: built[(name, False)][3]["graphs"] - graphs[(name, False)] for name in setups},
@@ -375,6 +405,8 @@ def table(args, res: dict) -> str:
         table_header(
             "setup",
             "median step (ms)",
+            "x fsdp2 eager",
+            "x compute-only limit",
             "tokens/s",
             "compile: first step (s)",
             "graphs compiled",
@@ -384,6 +416,9 @@ def table(args, res: dict) -> str:
             "exposed communication (ms)",
         ),
     ]
+    def ratio(step: float, baseline: str) -> str:
+        return f"{step / res['median'][baseline]:.2f}" if baseline in res["median"] else "-"
+
     for name in args.setups:
         step = res["median"][name]
         local = res["compute_only"][name]
@@ -392,7 +427,7 @@ def table(args, res: dict) -> str:
         calls = str(res["calls_per_step"][name]) if compiled else "-"
         recompiles = str(res["recompiles"][name]) if compiled else "-"
         lines.append(
-            f"| {label} | {step * 1e3:.0f} | {tokens / step:.0f} | {res['first'][name]:.1f} | {graphs} | {calls} "
+            f"| {label} | {step * 1e3:.0f} | {ratio(step, 'fsdp2-eager')} | {ratio(step, LIMIT)} | {tokens / step:.0f} | {res['first'][name]:.1f} | {graphs} | {calls} "
             f"| {recompiles} | {local * 1e3:.0f} | {(step - local) * 1e3:.0f} |"
         )
     if any(name in PEER_SETUPS for name in args.setups):

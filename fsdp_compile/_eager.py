@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_compile._compat import outside_dispatch_modes, saved_tensors_hooks_active
-from fsdp_compile._fsdp_param import ParamState
+from fsdp_compile._fsdp_param import FSDPParam, ParamState, gather_bucket, gather_bucket_without_autograd
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 
 if TYPE_CHECKING:
-    from fsdp_compile._fsdp_param import FSDPParam
     from fsdp_compile._fsdp_state import FSDPUnit
 
 
@@ -64,12 +63,27 @@ cast_output_outside_dynamo = torch.compiler.disable(cast_output)
 
 
 def gather_unit(unit: FSDPUnit) -> None:
-    """Gather every parameter of the unit. Reads inside the forward then hit the
-    cache, so an activation-checkpointed region saves and recomputes the same ops."""
-    for fsdp_param in unit.params:
-        if fsdp_param.state is ParamState.SHARDED and fsdp_param.owner is not None:
-            owner, name = fsdp_param.owner
-            fsdp_param.gather(owner._parameters[name])
+    """Gather every parameter of the unit, as FSDP2 does: one all-gather per bucket of
+    parameters that can share one (:meth:`FSDPParam.bucket_key`; most units: one),
+    and one reduce-scatter per bucket in the backward. Reads inside the forward then
+    hit the cache, so an activation-checkpointed region saves and recomputes the same ops."""
+    to_gather = [p for p in unit.params if p.state is ParamState.SHARDED and p.owner is not None]
+    for key, bucket in _buckets(to_gather, FSDPParam.bucket_key):
+        if key is None or len(bucket) == 1:
+            for fsdp_param in bucket:
+                owner, name = fsdp_param.owner
+                fsdp_param.gather(owner._parameters[name])
+        else:
+            gather_bucket(bucket)
+
+
+def _buckets(fsdp_params: list[FSDPParam], key_of) -> list[tuple[tuple | None, list[FSDPParam]]]:
+    """``fsdp_params`` grouped by ``key_of`` (first-seen order; ``None``: each alone)."""
+    groups: dict = {}
+    for i, fsdp_param in enumerate(fsdp_params):
+        key = key_of(fsdp_param)
+        groups.setdefault(key if key is not None else ("alone", i), (key, []))[1].append(fsdp_param)
+    return list(groups.values())
 
 
 def gather_for_recompute(fsdp_param: FSDPParam) -> torch.Tensor:
@@ -86,6 +100,29 @@ def gather_for_recompute(fsdp_param: FSDPParam) -> torch.Tensor:
 
 
 # ------------------------------------------------------- reshard after forward
+
+
+def _regather(slot: RegatherSlot) -> None:
+    """Fill ``slot.full``, and with the same all-gather every other open slot of its
+    unit that shares its bucket (FSDP2's pre-backward gathers the whole unit)."""
+    fsdp_param = slot.fsdp_param
+    key = fsdp_param.regather_key()
+    bucket = [slot]
+    if key is not None:
+        bucket += [
+            other
+            for other in _open_slots.values()
+            if other is not slot
+            and other.full is None
+            and other.post_forward_shard is None
+            and other.fsdp_param.unit is fsdp_param.unit
+            and other.fsdp_param.regather_key() == key
+        ]
+    if len(bucket) == 1:
+        slot.full = fsdp_param.gather_without_autograd()
+        return
+    for other, full in zip(bucket, gather_bucket_without_autograd([s.fsdp_param for s in bucket])):
+        other.full = full
 
 
 @dataclass
@@ -160,7 +197,7 @@ def _unpack(packed):
     slot = packed.slot
     if slot.full is None:
         if slot.post_forward_shard is None:
-            slot.full = slot.fsdp_param.gather_without_autograd()
+            _regather(slot)
         else:
             slot.full = slot.fsdp_param.gather_post_forward_shard(slot.post_forward_shard)
     # The re-gathered tensor has the original layout, so the saved view is

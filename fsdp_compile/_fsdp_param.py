@@ -31,6 +31,7 @@ from fsdp_compile.runtime.collectives import (
     gather_with_grad_sync,
     post_forward_shard,
 )
+from fsdp_compile.runtime.unit_collectives import all_gather_bucket, bucket_key, gather_bucket_with_grad_sync
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
 if TYPE_CHECKING:
@@ -155,7 +156,20 @@ class FSDPParam:
         local = self._gather_input(sharded_param)
         accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
         pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
-        full = gather_with_grad_sync(local, self.spec, pending, accumulator, self.kept)
+        return self._note_gathered(gather_with_grad_sync(local, self.spec, pending, accumulator, self.kept))
+
+    def bucket_key(self) -> tuple | None:
+        """What eager code buckets this parameter's collectives by with others of its
+        unit (:func:`gather_bucket`), or ``None`` if it gathers on its own: replicated,
+        gradient sync off or an accumulated gradient pending, or still gathered."""
+        if self.kept is not None or not self.unit.requires_gradient_sync:
+            return None
+        if self._grad_accumulator is not None and self._grad_accumulator.grad is not None:
+            return None
+        return bucket_key(self.spec, self.sharded_param)
+
+    def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
+        """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
         self.kept = None if self.unit.reshard_after_backward else full.detach()
         self.gathered = self._for_compute(full)
         self.state = ParamState.GATHERED
@@ -168,6 +182,10 @@ class FSDPParam:
         spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
         with torch.no_grad():
             return self._for_compute(gather_with_grad_sync(self._gather_input(self.sharded_param), spec))
+
+    def regather_key(self) -> tuple | None:
+        """What eager backward buckets this parameter's re-gather by (see :meth:`bucket_key`)."""
+        return bucket_key(self.spec, self.sharded_param)
 
     def post_forward_shard(self) -> torch.Tensor:
         """This rank's block of the gathered tensor kept after forward when the unit
@@ -243,3 +261,28 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def gather_bucket(fsdp_params: list[FSDPParam]) -> None:
+    """Gather ``fsdp_params`` (sharded, of one :meth:`FSDPParam.bucket_key`) with one
+    all-gather, with autograd (one reduce-scatter in the backward): eager code's
+    :meth:`FSDPParam.gather` for a bucket."""
+    first = fsdp_params[0]
+    if forward_context.in_broken_graph():
+        warn_gathered_in_broken_graph(first)
+    shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
+    with fx_annotate(first.spec.tag.as_meta()):
+        fulls = gather_bucket_with_grad_sync(shards, [p.spec for p in fsdp_params])
+    for fsdp_param, full in zip(fsdp_params, fulls):
+        fsdp_param._note_gathered(full)
+
+
+def gather_bucket_without_autograd(fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
+    """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :meth:`FSDPParam.regather_key`."""
+    first = fsdp_params[0]
+    shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
+    if first.spec.param_dtype is not None:
+        shards = [s.to(first.spec.param_dtype) for s in shards]
+    with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(Role.REGATHER)):
+        fulls = all_gather_bucket(shards, [p.layout for p in fsdp_params])
+    return [p._for_compute(full) for p, full in zip(fsdp_params, fulls)]

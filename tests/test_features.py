@@ -131,7 +131,7 @@ def load_checkpoint(path: str, kind: str, name: str = "llama") -> dict:
 
 
 def gradient_accumulation(
-    kind: str, backend: str | None, name: str = "llama", micro_batches: int = 4, steps: int = 2, keep_gathered: bool = False
+    kind: str, backend: str | None, name: str = "mlp", micro_batches: int = 4, steps: int = 2, keep_gathered: bool = False
 ) -> dict:
     """``steps`` optimizer steps of ``micro_batches`` micro-batches each; gradient sync only
     on the last micro-batch of a step (``set_requires_gradient_sync``); with

@@ -185,3 +185,43 @@ def test_one_graph_no_recompiles(results, variant):
     The train/eval switch of ``zoo`` adds exactly one (eval, no-grad) graph."""
     with_eval = results["reference"]["eval_out"] is not None
     assert results[variant]["frames"] == (2 if with_eval else 1)
+
+
+def eager_collectives_per_step(name: str) -> dict:
+    """Functional collectives one eager step of ours issues: all-gathers in forward and
+    in backward, reduce-scatters in backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, units = build(name)
+    # Units owning parameters of their own (a root may own none: the MLP's).
+    inner = [{id(p) for p in unit.parameters()} for unit in units]
+    owning = sum(bool(own - set().union(*inner[:i])) for i, own in enumerate(inner))
+    _shard_model("ours", units)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x, y = batch(name, 0)
+
+    def count(prof, op: str) -> int:
+        return sum(e.count for e in prof.key_averages() if e.key == f"_c10d_functional::{op}")
+
+    with profile(activities=[ProfilerActivity.CPU]) as fwd:
+        loss = loss_fn(name, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
+    with profile(activities=[ProfilerActivity.CPU]) as bwd:
+        loss.backward()
+    return {
+        "units": owning,
+        "forward_all_gathers": count(fwd, "all_gather_into_tensor"),
+        "backward_all_gathers": count(bwd, "all_gather_into_tensor"),
+        "reduce_scatters": count(bwd, "reduce_scatter_tensor"),
+    }
+
+
+@pytest.mark.parametrize("name", ["mlp", "llama"])
+def test_eager_issues_one_collective_per_unit_like_fsdp2(pool2, name):
+    """Eager runs bucket as FSDP2 does: one all-gather per unit (that owns parameters) in
+    forward, one re-gather per resharded unit (all but the root) in backward, one
+    reduce-scatter per unit; not one per parameter."""
+    for counts in pool2.run(eager_collectives_per_step, name):
+        units = counts["units"]
+        assert counts["forward_all_gathers"] == units, counts
+        assert counts["backward_all_gathers"] == units - 1, counts
+        assert counts["reduce_scatters"] == units, counts
