@@ -217,6 +217,19 @@ def gloo_collectives(prof) -> list[tuple[str, int, str]]:
     return out
 
 
+def _own_frame_llama():
+    """``Llama`` with a forward of its own code object: Dynamo caches compiled frames
+    per code object, and the other setups' compiled ``Llama.forward`` frames (FSDP2's,
+    with its graph breaks) made the unsharded model recompile in the timed steps."""
+    from fsdp_compile.testing.models import Llama
+
+    class OwnFrameLlama(Llama):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    return OwnFrameLlama
+
+
 def measure(
     model_cfg: dict,
     seq: int,
@@ -255,6 +268,7 @@ def measure(
     torch._dynamo.config.cache_size_limit = 64
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig(**model_cfg)
+    _OwnFrameLlama = _own_frame_llama()
 
     # (setup id, local): local = the compute-only copy on this rank's own 1-rank group.
     variants = [(name, False) for name in setups]
@@ -274,7 +288,7 @@ def measure(
             # default group; on per-rank groups the group names differ by design.
             changes = dict(changes, check_collective_consistency=False)
         torch.manual_seed(0)
-        model = Llama(cfg)
+        model = Llama(cfg) if kind != "unsharded" else _OwnFrameLlama(cfg)
         inductor_changes = {}
         if kind == "unsharded":
             pass  # each rank trains its own replica on its local batch: no communication
