@@ -1,7 +1,7 @@
 """Real ``transformers`` architectures, sharded per block and compiled with Inductor.
 
-For each model: 3 SGD (momentum) steps on 2 gloo ranks match a single-process unsharded reference
-to fp32 rounding, and the compiled sharded model compiles no more graphs than the
+For each model: 3 SGD (momentum) steps on 2 gloo ranks, eager (bucketed per unit) and
+compiled, match a single-process unsharded reference to fp32 rounding, and the compiled sharded model compiles no more graphs than the
 unsharded model under the same ``torch.compile`` call (GPT-2 breaks the graph by itself;
 the checkpointed Llama checkpoints around each sharded layer). SGD rather than Adam:
 Adam scales each update by the gradient's own magnitude, so parameters whose true
@@ -158,7 +158,7 @@ def test_real_model_trains_like_reference_without_extra_graphs(pool2, name):
         batch,
         token_loss,
         shard_fn=shard_per_block,
-        backends=("inductor",),
+        backends=("eager", "inductor"),
         steps=3,
         rtol=1e-5,
         atol=1e-6,
