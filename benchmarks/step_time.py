@@ -65,7 +65,9 @@ mostly C++ compiler time: 1-2 minutes per setup here). ``--warm-cache`` (implied
 by ``--quick``) uses Inductor's persistent caches instead, as the compute-only
 copies always do.
 
-"Graphs compiled" counts calls of the compiler backend (the ``inductor``
+"Of which our passes" sums the time fsdp_compile's joint and post-grad passes took in
+that first step (``fsdp_compile.passes.registration.pass_seconds``, per graph; 0 when
+Inductor's caches skipped them). "Graphs compiled" counts calls of the compiler backend (the ``inductor``
 backend wrapped by a counter): graphs Dynamo handed to Inductor during the
 first step, each compiled into a forward and a backward. "Compiled-graph
 calls/step" counts calls of those compiled graphs in the last timed step (FSDP2
@@ -337,12 +339,16 @@ def measure(
 
     # First steps (compiles): the distributed setups first, each cold if asked;
     # the compute-only copies with the persistent caches (their compile is not reported).
-    first, graphs = {}, {}
+    from fsdp_compile.passes.registration import pass_seconds
+
+    first, graphs, our_passes = {}, {}, {}
     for key in variants:
         cold = cold_compile and SETUPS[key[0]][2] and not key[1]
+        recorded = len(pass_seconds)
         with fresh_cache() if cold else contextlib.nullcontext():
             first[key] = timed_step(key)
         graphs[key] = built[key][3]["graphs"]
+        our_passes[key] = sum(seconds for *_, seconds in pass_seconds[recorded:])
     times = {key: [] for key in variants}
     other_threads_cpu = {key: [] for key in variants}
     calls = {}
@@ -392,6 +398,7 @@ def measure(
         "other_threads_cpu": by_setup({key: statistics.median(t) for key, t in other_threads_cpu.items()}),
         "breakdown": profiled,
         "graphs": by_setup(graphs),
+        "our_passes": by_setup(our_passes),
         "calls_per_step": by_setup(calls),
         "recompiles": {name: built[(name, False)][3]["graphs"] - graphs[(name, False)] for name in setups},
         "collectives": collectives,
@@ -423,6 +430,7 @@ def table(args, res: dict) -> str:
             "x compute-only limit",
             "tokens/s",
             "compile: first step (s)",
+            "of which our passes (s)",
             "graphs compiled",
             "compiled-graph calls/step",
             "recompiles",
@@ -438,10 +446,11 @@ def table(args, res: dict) -> str:
         local = res["compute_only"][name]
         label, _, compiled, _ = SETUPS[name]
         graphs = str(res["graphs"][name]) if compiled else "-"
+        passes = f"{res['our_passes'][name]:.2f}" if compiled and SETUPS[name][1] == "ours" else "-"
         calls = str(res["calls_per_step"][name]) if compiled else "-"
         recompiles = str(res["recompiles"][name]) if compiled else "-"
         lines.append(
-            f"| {label} | {step * 1e3:.0f} | {ratio(step, 'fsdp2-eager')} | {ratio(step, LIMIT)} | {tokens / step:.0f} | {res['first'][name]:.1f} | {graphs} | {calls} "
+            f"| {label} | {step * 1e3:.0f} | {ratio(step, 'fsdp2-eager')} | {ratio(step, LIMIT)} | {tokens / step:.0f} | {res['first'][name]:.1f} | {passes} | {graphs} | {calls} "
             f"| {recompiles} | {local * 1e3:.0f} | {(step - local) * 1e3:.0f} |"
         )
     if any(name in PEER_SETUPS for name in args.setups):

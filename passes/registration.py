@@ -17,6 +17,7 @@ passes run under Inductor only; ``aot_eager`` runs the traced graph as is.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 
 import torch.fx as fx
@@ -43,9 +44,20 @@ from fsdp_compile.runtime.vocabulary import graph_name, our_collectives, units_i
 
 log = logging.getLogger("fsdp_compile.passes")
 
+#: ``(graph name, "joint" | "post_grad", seconds)`` for every graph our passes ran on in
+#: this process, in order (what a compile spends in our passes; benchmarks.step_time sums it).
+pass_seconds: list[tuple[str, str, float]] = []
+
+
+def _record_pass_time(graph: fx.Graph, stage: str, start: float) -> None:
+    seconds = time.perf_counter() - start
+    pass_seconds.append((graph_name(graph), stage, seconds))
+    log.debug("%s: our %s passes took %.3f s", graph_name(graph), stage, seconds)
+
 
 def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     """Our joint-graph passes, in order."""
+    start = time.perf_counter()
     _warn_if_recompile(gm)
     _warn_if_graph_break(gm.graph)
     if units_in(gm.graph):
@@ -54,6 +66,7 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
         tag_reshard_after_forward(gm)
         regather_from_post_forward_shards(gm)
     write_joint_record(gm)
+    _record_pass_time(gm.graph, "joint", start)
     return gm
 
 
@@ -62,6 +75,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     pinning the order."""
     if not our_collectives(graph):
         return
+    start = time.perf_counter()
     _warn_if_graph_break(graph)
     config.validate()
     folder = debug.begin_graph(graph_name(graph).split()[0])
@@ -74,6 +88,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
     pin_schedule(graph, config.reduce_scatter_depth, first=check)
     debug.record_graph(folder, "3_pinned", graph)
+    _record_pass_time(graph, "post_grad", start)
 
 
 _graph_breaks_seen: dict[str, int] = {}

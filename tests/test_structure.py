@@ -304,3 +304,16 @@ def test_set_reshard_after_forward_changes_the_backward_graph(fake_pg):
     assert collective_nodes(bw, ALL_GATHER) == [] and len(saved_all_gathers(fw)) == 3
     with pytest.raises(TypeError, match="set_reshard_after_backward"):
         model.set_reshard_after_backward(None)
+
+
+def test_pass_time_is_recorded_per_graph(fake_pg):
+    """Every graph our passes run on records what they took (benchmarks.step_time
+    reports the sum per compile): the joint graph, then the forward and the backward."""
+    from fsdp_compile.passes.registration import pass_seconds
+
+    before = len(pass_seconds)
+    model = shard_blocks(MLPStack(dim=16, n_layers=2))
+    torch.compile(model, backend="inductor", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    recorded = pass_seconds[before:]
+    assert [stage for _, stage, _ in recorded] == ["joint", "post_grad", "post_grad"], recorded
+    assert all(seconds > 0 for *_, seconds in recorded)
