@@ -10,10 +10,12 @@ import torch.distributed as dist
 
 _SIDE_GROUP = None
 
-# Group name -> a label that is the same on every rank (e.g. "mesh dim 'shard' of
-# size 2"). On a 2-D mesh each rank's shard group is a different group with a
-# different name; comparisons across ranks (the consistency check) use this.
-_GROUP_LABELS: dict[str, str] = {}
+# Group name -> (the default process group then, a label that is the same on every
+# rank, e.g. "mesh dim 'shard' of size 2"). On a 2-D mesh each rank's shard group is a
+# different group with a different name; comparisons across ranks (the consistency
+# check) use this. Group names are reused after destroy_process_group, hence the
+# default group: a label from an earlier process group does not apply.
+_GROUP_LABELS: dict[str, tuple[object, str]] = {}
 
 
 # (mesh ranks, group size) -> (the default process group then, the mesh whose dim 1 is
@@ -22,16 +24,21 @@ _POST_FORWARD_MESHES: dict[tuple, tuple] = {}
 
 
 # Groups of the meshes tensor parallelism put parameters on (their collectives are
-# DTensor's, not ours).
-_TENSOR_PARALLEL_GROUPS: set[str] = set()
+# DTensor's, not ours), with the default process group then (see _GROUP_LABELS).
+_TENSOR_PARALLEL_GROUPS: dict[str, object] = {}
+
+
+def _default_group():
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def group_label(group_name: str) -> str:
     """A rank-independent name for a group: a dimension of a mesh we were given, else
     the group's shape (each rank's tensor-parallel group is another group, with
     another name), else the name itself."""
-    if group_name in _GROUP_LABELS:
-        return _GROUP_LABELS[group_name]
+    world, label = _GROUP_LABELS.get(group_name, (None, None))
+    if label is not None and world is _default_group():
+        return label
     from fsdp_compile._compat import group_ranks
 
     ranks = group_ranks(group_name)
@@ -50,13 +57,13 @@ def label_mesh_groups(mesh, *, tensor_parallel: bool = False) -> None:
     for dim in range(mesh.ndim):
         name = group_name_of(mesh.get_group(dim))
         dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
-        _GROUP_LABELS[name] = f"mesh dim {dim_name!r} of size {mesh.size(dim)}"
+        _GROUP_LABELS[name] = (_default_group(), f"mesh dim {dim_name!r} of size {mesh.size(dim)}")
         if tensor_parallel:
-            _TENSOR_PARALLEL_GROUPS.add(name)
+            _TENSOR_PARALLEL_GROUPS[name] = _default_group()
 
 
 def is_tensor_parallel_group(group_name: str | None) -> bool:
-    return group_name in _TENSOR_PARALLEL_GROUPS
+    return group_name in _TENSOR_PARALLEL_GROUPS and _TENSOR_PARALLEL_GROUPS[group_name] is _default_group()
 
 
 def all_gather_json(value, group=None, device: torch.device | None = None) -> list:

@@ -235,3 +235,29 @@ def test_graph_break_and_recompile_warnings_name_the_unit(pool2):
     assert any("unit 'b'" in m and "'b.weight'" in m for m in eager), eager
     recompiles = [m for m in messages if "recompiling a graph" in m]
     assert recompiles and "TORCH_LOGS=recompiles" in recompiles[0]
+
+
+def test_group_labels_do_not_outlive_their_process_group():
+    """Group names are reused after destroy_process_group: a mesh label from an earlier
+    process group must not name a group of the next one (it made the fingerprint
+    test depend on which tests ran before it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compile._compat import group_name_of, register_fake_process_group
+    from fsdp_compile.runtime.process_groups import group_label, label_mesh_groups
+
+    register_fake_process_group()
+    dist.init_process_group("fake", rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("stale",))
+        name = group_name_of(mesh.get_group(0))
+        label_mesh_groups(mesh)
+        assert group_label(name) == "mesh dim 'stale' of size 8"
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=8)
+    try:
+        assert group_label(name) != "mesh dim 'stale' of size 8"
+    finally:
+        dist.destroy_process_group()
