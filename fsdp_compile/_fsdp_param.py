@@ -281,8 +281,6 @@ def gather_bucket_without_autograd(fsdp_params: list[FSDPParam]) -> list[torch.T
     """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :meth:`FSDPParam.regather_key`."""
     first = fsdp_params[0]
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
-    if first.spec.param_dtype is not None:
-        shards = [s.to(first.spec.param_dtype) for s in shards]
     with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(Role.REGATHER)):
-        fulls = all_gather_bucket(shards, [p.layout for p in fsdp_params])
+        fulls = all_gather_bucket(shards, [p.layout for p in fsdp_params], first.spec.param_dtype)
     return [p._for_compute(full) for p, full in zip(fsdp_params, fulls)]

@@ -168,11 +168,11 @@ class DataParallelMesh:
 
         key = (tuple(self.mesh.mesh.flatten().tolist()), size)
         world, mesh = _POST_FORWARD_MESHES.get(key, (None, None))
-        if world is not dist.group.WORLD:  # first use, or the process group was re-created since
+        if world is not _default_group():  # first use, or the process group was re-created since
             rows = self.mesh.mesh.reshape(-1, size)
             mesh = DeviceMesh(self.mesh.device_type, rows, mesh_dim_names=("post_forward_rows", "post_forward"))
             label_mesh_groups(mesh)
-            _POST_FORWARD_MESHES[key] = (dist.group.WORLD, mesh)
+            _POST_FORWARD_MESHES[key] = (_default_group(), mesh)
         return group_name_of(mesh.get_group(1)), size, mesh.get_local_rank(1)
 
     def reduce_group_names(self, sharded: bool) -> tuple[str, ...]:

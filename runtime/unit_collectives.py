@@ -43,9 +43,14 @@ def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
     )
 
 
-def all_gather_bucket(shards: list[torch.Tensor], layouts: list[ShardLayout]) -> list[torch.Tensor]:
-    """The full tensors (dim 0 first) of ``shards`` (unpadded local shards, one dtype),
-    with one all-gather over their shared group; each output has its own storage."""
+def all_gather_bucket(
+    shards: list[torch.Tensor], layouts: list[ShardLayout], param_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """The full tensors (dim 0 first) of ``shards`` (unpadded local shards), cast to
+    ``param_dtype`` first if given, with one all-gather over their shared group; each
+    output has its own storage."""
+    if param_dtype is not None:
+        shards = [s.to(param_dtype) for s in shards]
     world_size, group_name = layouts[0].world_size, layouts[0].group_name
     padded = [layout.padded_numel for layout in layouts]
     flat = all_gather_copy_in([s.contiguous() for s in shards], padded)
@@ -85,10 +90,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     @staticmethod
     def forward(ctx, specs: tuple[CollectiveSpec, ...], *shards):
         ctx.specs, ctx.shard_dtypes = specs, [s.dtype for s in shards]
-        param_dtype = specs[0].param_dtype
-        if param_dtype is not None:
-            shards = [s.to(param_dtype) for s in shards]
-        return tuple(all_gather_bucket(list(shards), [spec.layout for spec in specs]))
+        return tuple(all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype))
 
     @staticmethod
     def backward(ctx, *grads):
