@@ -23,6 +23,7 @@ BENCHMARKS.md reports, which take much longer.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,6 +48,37 @@ class BenchmarkFailed(RuntimeError):
     pass
 
 
+_CAUSE = re.compile(r"^(\w+\.)*\w*(Error|Exception|Failure|Timeout)\b.*|.*(did not answer in time|process died).*|^--- rank \d+ ---$")
+
+
+def failure_causes(text: str, limit: int = 24) -> list[str]:
+    """The lines of a failed run's output that say what failed, first seen first,
+    without repeats: each exception line with the innermost frames of its traceback,
+    each rank's heading in a RankFailure report, a hung rank's innermost frames. A CI
+    log that shows only part of a long traceback still shows these."""
+    seen, out, frames = set(), [], []
+    stack_lines = 0  # a hung rank's stack (faulthandler's "Current thread"): its innermost frames
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Current thread"):
+            stack_lines = 5
+            continue
+        if line.startswith("File "):
+            if stack_lines:
+                stack_lines -= 1
+                out.append("  " + line[:300])
+            frames = (frames + [line[:300]])[-3:]
+            continue
+        stack_lines = 0
+        if _CAUSE.match(line) and line not in seen:
+            seen.add(line)
+            if not line.startswith("---"):
+                out += ["  " + f for f in frames]
+            frames = []
+            out.append(line[:300])
+    return out[:limit]
+
+
 def run_one(name: str, quick: bool, timeout_s: float) -> tuple[str, float]:
     """Run ``python -m benchmarks.<name>``; its standard output and run time."""
     cmd = [sys.executable, "-m", f"benchmarks.{name}", *(QUICK_ARGS.get(name, []) if quick else [])]
@@ -55,8 +87,10 @@ def run_one(name: str, quick: bool, timeout_s: float) -> tuple[str, float]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
+        causes = "\n".join(f"  {c}" for c in failure_causes(proc.stderr + "\n" + proc.stdout))
         raise BenchmarkFailed(
-            f"{' '.join(cmd[1:])} exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+            f"{' '.join(cmd[1:])} exited with {proc.returncode} after {elapsed:.0f} s. What failed:\n{causes}\n\n"
+            f"Its output's end:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
         )
     return proc.stdout.strip(), elapsed
 
@@ -65,6 +99,13 @@ def main(argv=None) -> int:
     p = benchmark_parser(__doc__, quick_help="small sizes: a smoke run of every benchmark")
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="runs again a benchmark that failed, up to this many times, printing every failure "
+        "(default: 1 with --quick, 0 otherwise; a smoke run should not be lost to one flaky hang)",
+    )
     args = p.parse_args(argv)
     names = args.only.split(",") if args.only else [b for b in BENCHMARKS if not (args.quick and b in FULL_ONLY)]
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -76,23 +117,35 @@ def main(argv=None) -> int:
     print(f"# fsdp-compile benchmarks{' (quick mode: smoke sizes, not the reported numbers)' if args.quick else ''}\n")
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
           f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}\n")
+    retries = args.retries if args.retries is not None else (1 if args.quick else 0)
     total = time.perf_counter()
-    failed = []
+    failed, flaky = [], []
     for name in names:
         command = " ".join(["python -m benchmarks." + name, *(QUICK_ARGS.get(name, []) if args.quick else [])])
         print(f"## {name} — `{command}`\n", flush=True)
-        try:
-            out, elapsed = run_one(name, args.quick, args.timeout)
-        except (BenchmarkFailed, subprocess.TimeoutExpired) as e:
-            print(f"FAILED: {e}\n", flush=True)
+        out = None
+        for attempt in range(1 + retries):
+            try:
+                out, elapsed = run_one(name, args.quick, args.timeout)
+                break
+            except (BenchmarkFailed, subprocess.TimeoutExpired) as e:
+                again = "; running it again" if attempt < retries else ""
+                print(f"FAILED (attempt {attempt + 1} of {1 + retries}{again}): {e}\n", flush=True)
+        if out is None:
             failed.append(name)
             continue
+        if attempt:
+            flaky.append(name)
         print(out + f"\n\n({elapsed:.0f} s)\n", flush=True)
         has_table = any(line.startswith("|---") for line in out.splitlines())
         if not has_table and "skipped" not in out.lower():
             print(f"FAILED: {name} printed no table\n", flush=True)
             failed.append(name)
-    print(f"All benchmarks: {time.perf_counter() - total:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"All benchmarks: {time.perf_counter() - total:.0f} s"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + (f"; failed, then passed when run again (see above): {', '.join(flaky)}" if flaky else "")
+    )
     return 1 if failed else 0
 
 

@@ -410,7 +410,10 @@ def run_on_pool(args, **kwargs) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
     from fsdp_compile.testing import RankPool
 
-    with RankPool(2, timeout_s=3600, pg_timeout_s=1800) as pool:
+    # A collective that waits longer than pg_timeout_s raises (with the rank's stack);
+    # the smoke run's steps take well under a second, and a hang should not cost 30 minutes.
+    pg_timeout_s = 300 if getattr(args, "quick", False) else 1800
+    with RankPool(2, timeout_s=3600, pg_timeout_s=pg_timeout_s) as pool:
         return pool.run(measure, model_kwargs(args), args.seq, args.batch, args.steps, args.setups, **kwargs)[0]
 
 

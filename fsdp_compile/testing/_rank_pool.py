@@ -10,10 +10,12 @@ the pool is then torn down and restarted on the next call.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import socket
-
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -31,7 +33,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, backend: str, conn: Connection, pg_timeout_s: float) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, backend: str, conn: Connection, pg_timeout_s: float, stack_file: str
+) -> None:
+    # On SIGUSR1 (sent by the parent to a rank that hangs) every thread's Python
+    # stack goes to ``stack_file``, which the parent puts in its report.
+    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)  # noqa: SIM115 - kept open
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -86,6 +93,7 @@ class RankPool:
         self.pg_timeout_s = pg_timeout_s
         self._procs: list = []
         self._conns: list[Connection] = []
+        self._stack_files: list[str] = []
 
     # -- lifecycle
     def start(self) -> None:
@@ -93,11 +101,13 @@ class RankPool:
             return
         ctx = mp.get_context("spawn")
         port = _free_port()
+        stacks = tempfile.mkdtemp(prefix="fsdpc-rank-stacks-")
+        self._stack_files = [os.path.join(stacks, f"rank{rank}.txt") for rank in range(self.world_size)]
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, self.backend, child, self.pg_timeout_s),
+                args=(rank, self.world_size, port, self.backend, child, self.pg_timeout_s, self._stack_files[rank]),
                 daemon=True,
             )
             proc.start()
@@ -153,8 +163,10 @@ class RankPool:
             ready = wait(list(pending.values()), timeout=max(0.0, remaining)) if remaining > 0 else []
             if not ready:
                 for rank in pending:
-                    alive = self._procs[rank].is_alive()
-                    errors[rank] = "did not answer in time (hung in a collective?)" if alive else "process died"
+                    if self._procs[rank].is_alive():
+                        errors[rank] = "did not answer in time (hung in a collective?); where it was:\n" + self._stack_of(rank)
+                    else:
+                        errors[rank] = f"process died (exit code {self._procs[rank].exitcode})"
                 break
             for conn in ready:
                 rank = next(r for r, c in pending.items() if c is conn)
@@ -176,5 +188,19 @@ class RankPool:
         return results
 
     _first_error_at = 0.0
+
+    def _stack_of(self, rank: int) -> str:
+        """The Python stacks of a live rank's threads (the main thread's last), via SIGUSR1."""
+        path = self._stack_files[rank] if rank < len(self._stack_files) else None
+        if path is None:
+            return "(no stack)"
+        try:
+            os.kill(self._procs[rank].pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            return f"(no stack: {e})"
+        return text[-6000:] if text else "(no stack written)"
 
 
