@@ -68,6 +68,11 @@ def gather_unit(unit: FSDPUnit) -> None:
     and one reduce-scatter per bucket in the backward. Reads inside the forward then
     hit the cache, so an activation-checkpointed region saves and recomputes the same ops."""
     to_gather = [p for p in unit.params if p.state is ParamState.SHARDED and p.owner is not None]
+    for fsdp_param in to_gather:
+        # A fresh gather starts a fresh re-gather slot: an earlier forward's slot lives on
+        # only in its own autograd graph (a forward never followed by a backward leaves one
+        # that was never unpacked; reusing it would serve a later backward its stale weight).
+        _open_slots.pop(fsdp_param, None)
     for key, bucket in _buckets(to_gather, FSDPParam.bucket_key):
         if key is None or len(bucket) == 1:
             for fsdp_param in bucket:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -295,6 +296,26 @@ def compiled_saved_bytes(name: str) -> int:
 
 # ---------------------------------------------------------------- tests
 
+def forward_without_backward_then_train(backend: str | None, name: str = "mlp", steps: int = 3) -> dict:
+    """Two identical sharded models trained alike, one of them after a forward that no
+    backward follows (an evaluation loss with gradients on, an abandoned step): their
+    parameters after each step."""
+    out = {}
+    for label in ("plain", "after_dropped_forward"):
+        model, units = build(name)
+        _shard(units)
+        run = torch.compile(model, backend=backend) if backend else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if label == "after_dropped_forward":
+            x, y = batch(name, 99)
+            loss_fn(name, run(_local(x)), _local(y))  # graph built, never backpropagated
+        out[label] = []
+        for step in range(steps):
+            _step(model, run, opt, name, step)
+            out[label].append(_full_params(model))
+    return out
+
+
 def _equal(a: dict, b: dict, **tol) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -372,6 +393,16 @@ def test_keeping_parameters_gathered_between_micro_batches_matches_torch_fsdp2(p
     for result in (compiled, inductor):
         first, total = result["frames"]
         assert first == total == 3
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_a_forward_without_backward_does_not_change_later_training(pool2, backend):
+    """Eager re-gathers in the backward through per-parameter slots; a forward whose graph
+    is dropped unused must not leave one behind that a later backward reads (it served
+    the previous step's weight: parameters went wrong from the second step on)."""
+    result = pool2.run(forward_without_backward_then_train, backend)[0]
+    for plain, after in zip(result["plain"], result["after_dropped_forward"]):
+        _equal(after, plain)
 
 
 def test_fsdp_module_methods(pool2):
