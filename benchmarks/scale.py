@@ -112,19 +112,38 @@ def _fake_world(world_size: int):
             dist.init_process_group("fake", rank=previous[0], world_size=previous[1])
 
 
-def _sharded_model(cfg, fake_mode):
-    """``cfg`` built on meta, sharded per decoder layer + root, then fake CPU tensors."""
+#: How the model is cut into units (``--wrap``).
+WRAPS = {
+    "layers": "one unit per decoder layer plus the root (every decoder layer resharded after forward)",
+    "torchtitan": "torchtitan's units: the token embedding, each decoder layer (the last one kept after "
+    "forward: the backward needs it first), norm + output (kept), and the root",
+}
+
+
+def _wrap(model, wrap: str, **kwargs) -> None:
+    from fsdp_compile import fully_shard
+
+    last = len(model.layers) - 1
+    if wrap == "torchtitan":
+        fully_shard(model.tok_embeddings, **kwargs)
+    for i, layer in enumerate(model.layers):
+        fully_shard(layer, **kwargs, **({"reshard_after_forward": False} if wrap == "torchtitan" and i == last else {}))
+    if wrap == "torchtitan":
+        fully_shard([model.norm, model.output], reshard_after_forward=False, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _sharded_model(cfg, fake_mode, wrap: str = "layers"):
+    """``cfg`` built on meta, sharded as ``wrap`` says (:data:`WRAPS`), then fake CPU tensors."""
     import torch
 
-    from fsdp_compile import MixedPrecisionPolicy, fully_shard
+    from fsdp_compile import MixedPrecisionPolicy
     from fsdp_compile.testing.models import Llama
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with torch.device("meta"):
         model = Llama(cfg)
-    for layer in model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    _wrap(model, wrap, mp_policy=policy)
     with fake_mode:
         model.to_empty(device="cpu")
         # bf16 rotary tables keep q and k in bf16 (fp32 tables would promote them).
@@ -133,10 +152,13 @@ def _sharded_model(cfg, fake_mode):
     return model
 
 
-def parameter_counts(cfg, world_size: int) -> tuple[int, int, int]:
-    """(parameters, of which in the root unit, parameters on rank 0 incl. padding) of
-    ``cfg``, from a meta-device model: each parameter is split along dim 0
-    like ``torch.chunk``, rank 0 holding the largest piece (``ceil(dim0 / N)`` rows)."""
+def parameter_counts(cfg, world_size: int, wrap: str = "layers") -> tuple[int, int, int]:
+    """(parameters, of which not re-gathered in the backward, parameters on rank 0 incl.
+    padding) of ``cfg``, from a meta-device model: each parameter is split along dim 0
+    like ``torch.chunk``, rank 0 holding the largest piece (``ceil(dim0 / N)`` rows).
+    Not re-gathered: the units kept after forward (the root; with ``torchtitan``, also
+    the last layer and norm + output) and the token embedding (its backward does not
+    read the weight)."""
     import torch
 
     from fsdp_compile.testing.models import Llama
@@ -144,9 +166,11 @@ def parameter_counts(cfg, world_size: int) -> tuple[int, int, int]:
     with torch.device("meta"):
         model = Llama(cfg)
     total = sum(p.numel() for p in model.parameters())
-    root = total - sum(p.numel() for p in model.layers.parameters())
+    kept = total - sum(p.numel() for p in model.layers.parameters())
+    if wrap == "torchtitan":
+        kept += sum(p.numel() for p in model.layers[-1].parameters())
     local = sum(-(-p.shape[0] // world_size) * (p[0].numel() if p.dim() > 1 else 1) for p in model.parameters())
-    return total, root, local
+    return total, kept, local
 
 
 @dataclass
@@ -158,7 +182,7 @@ class Trace:
     trace_s: float
 
 
-def trace_step(cfg, world_size: int) -> Trace:
+def trace_step(cfg, world_size: int, wrap: str = "layers") -> Trace:
     """Compile one training step of ``cfg`` sharded over ``world_size`` fake ranks (see the
     module docstring) and return its captured graphs."""
     import torch
@@ -183,7 +207,7 @@ def trace_step(cfg, world_size: int) -> Trace:
     try:
         with _fake_world(world_size):
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-            model = _sharded_model(cfg, fake_mode)
+            model = _sharded_model(cfg, fake_mode, wrap)
 
             def step(tokens, targets):
                 logits = model(tokens)
@@ -250,6 +274,9 @@ class Measures:
     trace_s: float = 0.0
     # profile -> (step, compute, communication, exposed, step without our passes), seconds
     times: dict = field(default_factory=dict)
+    # profile -> per graph (forward, backward): compute, communication, and the exposed
+    # communication by phase (start, middle, end; passes/cost_model.exposure_by_phase), seconds
+    split: dict = field(default_factory=dict)
 
 
 def _collectives(graph) -> list:
@@ -324,7 +351,13 @@ def peak_live_bytes_keeping_aliases(graph) -> int:
 
 
 def measure(tr: Trace) -> Measures:
-    from fsdp_compile.passes.cost_model import collective_kind, node_flops, simulate, tensor_bytes
+    from fsdp_compile.passes.cost_model import (
+        collective_kind,
+        exposure_by_phase,
+        node_flops,
+        simulate,
+        tensor_bytes,
+    )
 
     m = Measures(trace_s=tr.trace_s)
     finals = []
@@ -354,6 +387,15 @@ def measure(tr: Trace) -> Measures:
             sum(s.exposed_s for s in sims),
             sum(s.step_s for s in raw),
         )
+        m.split[profile] = tuple(
+            x
+            for g, sim in zip(finals, sims)
+            for x in (
+                sim.compute_s,
+                sim.communication_s,
+                *vars(exposure_by_phase(g, sim)).values(),
+            )
+        )
         m.peak_forward, m.peak_backward = sims[0].peak_bytes, sims[1].peak_bytes
     return m
 
@@ -374,6 +416,7 @@ def _extrapolate(a: Measures, b: Measures, depth_a: int, depth_b: int, depth: in
         setattr(out, name, tuple(round(line(x, y)) for x, y in zip(getattr(a, name), getattr(b, name))))
     out.trace_s = a.trace_s + b.trace_s  # what it cost here
     out.times = {p: tuple(line(x, y) for x, y in zip(a.times[p], b.times[p])) for p in a.times}
+    out.split = {p: tuple(line(x, y) for x, y in zip(a.split[p], b.split[p])) for p in a.split}
     return out
 
 
@@ -388,24 +431,27 @@ class Result:
     how: str  # how the numbers were obtained (traced depth, or extrapolated)
     m: Measures
     params: int
-    root_params: int
+    kept_params: int  # not re-gathered in the backward (parameter_counts)
     local_params: int  # on rank 0, padded
 
 
-def run_config(name: str, cfg, world_size: int, extrapolate: bool = False, layers: int | None = None) -> Result:
+def run_config(
+    name: str, cfg, world_size: int, extrapolate: bool = False, layers: int | None = None, wrap: str = "layers"
+) -> Result:
     """``cfg`` at ``world_size``: traced at ``layers`` (default: full depth), or, with
     ``extrapolate`` and a model deeper than MAX_TRACED_DEPTH, traced at EXTRAPOLATION_DEPTHS
     and extrapolated to full depth."""
     depth = layers or cfg.n_layers
-    counts = parameter_counts(replace(cfg, n_layers=depth), world_size)
+    counts = parameter_counts(replace(cfg, n_layers=depth), world_size, wrap)
+    units = "; units: " + ("torchtitan's" if wrap == "torchtitan" else "decoder layers + root")
     if not extrapolate or depth <= MAX_TRACED_DEPTH:
-        m = measure(trace_step(replace(cfg, n_layers=depth), world_size))
-        how = f"traced, {depth} layers" + (f" (of {cfg.n_layers})" if depth < cfg.n_layers else "")
+        m = measure(trace_step(replace(cfg, n_layers=depth), world_size, wrap))
+        how = f"traced, {depth} layers" + (f" (of {cfg.n_layers})" if depth < cfg.n_layers else "") + units
         return Result(name, replace(cfg, n_layers=depth), world_size, how, m, *counts)
     da, db = EXTRAPOLATION_DEPTHS
-    ma = measure(trace_step(replace(cfg, n_layers=da), world_size))
-    mb = measure(trace_step(replace(cfg, n_layers=db), world_size))
-    how = f"extrapolated to {depth} layers from traces of {da} and {db}"
+    ma = measure(trace_step(replace(cfg, n_layers=da), world_size, wrap))
+    mb = measure(trace_step(replace(cfg, n_layers=db), world_size, wrap))
+    how = f"extrapolated to {depth} layers from traces of {da} and {db}" + units
     return Result(name, replace(cfg, n_layers=depth), world_size, how, _extrapolate(ma, mb, da, db, depth), *counts)
 
 
@@ -421,9 +467,10 @@ def _expected_flops(r: Result) -> float:
 
 def _expected_comm_bytes(r: Result) -> float:
     """Ring volume per rank: (N-1)/N x (bf16 forward gather of every parameter + bf16
-    backward re-gather of the resharded layers (not the root) + fp32 reduce-scatter)."""
+    backward re-gather of the parameters not kept after forward (parameter_counts) + fp32
+    reduce-scatter)."""
     n = r.world_size
-    return (n - 1) / n * (2 * r.params + 2 * (r.params - r.root_params) + 4 * r.params)
+    return (n - 1) / n * (2 * r.params + 2 * (r.params - r.kept_params) + 4 * r.params)
 
 
 GiB, GB = 2**30, 1e9
@@ -461,6 +508,50 @@ def time_table(results: list[Result]) -> str:
                 f"| {r.world_size} | {profile} | {step * 1e3:.0f} | {compute * 1e3:.0f} | {comm * 1e3:.0f} "
                 f"| {exposed * 1e3:.0f} | {overlap:.0%} | {BATCH * SEQ_LEN / step:.0f} | {raw * 1e3:.0f} |"
             )
+    return "\n".join(rows)
+
+
+def exposure_table(results: list[Result]) -> str:
+    """Against which bound the step is measured, and where what stays exposed sits."""
+    r0 = results[0]
+    rows = [
+        f"**What stays exposed, MODELLED** — {r0.model}; {r0.how}",
+        "",
+        table_header(
+            "N",
+            "profile",
+            "step (ms)",
+            "x max(compute, comm.)",
+            "per-graph bound (ms)",
+            "x per-graph bound",
+            "fwd: compute / comm. (ms)",
+            "bwd: compute / comm. (ms)",
+            "exposed fwd: start / middle / end (ms)",
+            "exposed bwd: start / middle / end (ms)",
+        ),
+    ]
+    for r in results:
+        for profile, (step, compute, comm, _exposed, _raw) in r.m.times.items():
+            cf, mf, f0, f1, f2, cb, mb, b0, b1, b2 = (x * 1e3 for x in r.m.split[profile])
+            bound = max(cf, mf) + max(cb, mb)
+            rows.append(
+                f"| {r.world_size} | {profile} | {step * 1e3:.0f} | {step / max(compute, comm):.2f} | {bound:.0f} "
+                f"| {step * 1e3 / bound:.2f} | {cf:.0f} / {mf:.0f} | {cb:.0f} / {mb:.0f} "
+                f"| {f0:.0f} / {f1:.0f} / {f2:.0f} | {b0:.0f} / {b1:.0f} / {b2:.0f} |"
+            )
+    rows += [
+        "",
+        "The step-wide max(compute, communication) assumes any collective can hide behind any compute. "
+        "It cannot: a reduce-scatter needs the backward's gradient and (reshard_after_forward=True) a "
+        "re-gather is by design not done in the forward, so the backward's communication cannot hide "
+        "behind the forward's compute. Per-graph bound: max(compute, communication) of the forward graph "
+        "plus the same of the backward graph; no order of these graphs' operations is faster. What a "
+        "schedule still exposes above it is mostly at the graphs' edges: a graph's first gathers have no "
+        "compute before them to hide behind, and its last reduce-scatters none after them. Exposed, by phase (passes/cost_model.exposure_by_phase): *start*, "
+        "collectives issued before the graph's first matmul (nothing to hide behind); *end*, collectives "
+        "waited after its last matmul (nothing left to hide them); *middle*, the rest, exposed where the "
+        "link is the bottleneck.",
+    ]
     return "\n".join(rows)
 
 
@@ -516,20 +607,28 @@ def sanity_table(results: list[Result]) -> str:
         "",
         "P: parameters; T: tokens per rank; attention counted as the cost model does (causal mask not halved); "
         "embedding lookup not a matmul. Sent bytes: bf16 forward all-gather, bf16 backward re-gather "
-        "(decoder layers only; the root keeps its gathered weights), fp32 reduce-scatter; the graphs' "
+        "(not of the units kept after forward, nor of the token embedding, whose backward does not read it), "
+        "fp32 reduce-scatter; the graphs' "
         "figure is a little higher where dim 0 pads to a multiple of N.",
     ]
     return "\n".join(rows)
 
 
-def run(quick: bool = False, models=None, world_sizes=None, extrapolate: bool = False, layers: int | None = None):
+def run(
+    quick: bool = False,
+    models=None,
+    world_sizes=None,
+    extrapolate: bool = False,
+    layers: int | None = None,
+    wrap: str = "layers",
+):
     """All results, grouped by model."""
     configs = model_configs()
     if quick:
         models, world_sizes, layers = models or ["llama3-8b"], world_sizes or [8], layers or 2
     grouped = {}
     for name in models or list(configs):
-        grouped[name] = [run_config(name, configs[name], n, extrapolate, layers) for n in world_sizes or WORLD_SIZES]
+        grouped[name] = [run_config(name, configs[name], n, extrapolate, layers, wrap) for n in world_sizes or WORLD_SIZES]
     return grouped
 
 
@@ -538,7 +637,7 @@ def tables(quick: bool = False, **kwargs) -> list[str]:
     grouped = run(quick, **kwargs)
     out = []
     for results in grouped.values():
-        out += [time_table(results), memory_table(results)]
+        out += [time_table(results), exposure_table(results), memory_table(results)]
     out.append(sanity_table([r for results in grouped.values() for r in results]))
     return out
 
@@ -560,11 +659,22 @@ def main(argv=None) -> None:
         help=f"trace models deeper than {MAX_TRACED_DEPTH} layers at {EXTRAPOLATION_DEPTHS} layers and extrapolate",
     )
     p.add_argument("--layers", type=int, default=None, help="trace this many layers and report them as they are")
+    p.add_argument(
+        "--wrap",
+        choices=sorted(WRAPS),
+        default="layers",
+        help="the units: " + "; ".join(f"{k}: {v}" for k, v in WRAPS.items()),
+    )
     args = p.parse_args(argv)
     one_thread_per_rank()
     start = time.perf_counter()
     out = tables(
-        args.quick, models=args.models, world_sizes=args.world_sizes, extrapolate=args.extrapolate, layers=args.layers
+        args.quick,
+        models=args.models,
+        world_sizes=args.world_sizes,
+        extrapolate=args.extrapolate,
+        layers=args.layers,
+        wrap=args.wrap,
     )
     print(f"\n{HEADER}\n")
     for table in out:

@@ -273,3 +273,41 @@ def simulate(graph: fx.Graph, profile: HardwareProfile | str, *, ignore_own_copi
     sim.step_s = max(t_compute, t_link)
     sim.notes = sorted(notes)
     return sim
+
+
+@dataclass(frozen=True)
+class ExposureByPhase:
+    """Where a simulated graph's exposed communication sits, against its matmuls.
+
+    * ``start``: collectives issued before the graph's first matmul/attention: nothing
+      runs before them to hide behind (a forward's first gathers);
+    * ``end``: collectives waited after the graph's last matmul ends: nothing is left
+      to hide them (a backward's last reduce-scatters);
+    * ``middle``: the rest: hideable in principle; exposed where the link, not the
+      compute, is the bottleneck (or where the schedule waits too early).
+    """
+
+    start: float
+    middle: float
+    end: float
+
+
+def exposure_by_phase(graph: fx.Graph, sim: Simulation) -> ExposureByPhase:
+    """Split ``sim.exposed_s`` (a :func:`simulate` of ``graph`` in its current order) by
+    :class:`ExposureByPhase`'s phases; the three parts sum to ``sim.exposed_s``."""
+    notes: set = set()
+    matmuls = {n.name for n in graph.nodes if n.op == "call_function" and node_flops(n, notes) > 0}
+    spans = [(t0, t1) for name, t0, t1 in sim.compute_spans if name in matmuls]
+    if not spans:
+        return ExposureByPhase(0.0, sim.exposed_s, 0.0)
+    first_start, last_end = spans[0][0], spans[-1][1]
+    start = middle = end = 0.0
+    for c in sim.collectives:
+        if c.issue_s <= first_start:
+            start += c.exposed_s
+        elif c.wait_s is not None and c.wait_s >= last_end:
+            end += c.exposed_s
+        else:
+            middle += c.exposed_s
+    return ExposureByPhase(start, middle, end)
+

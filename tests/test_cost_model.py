@@ -73,3 +73,18 @@ def test_a_view_keeps_its_buffer_alive():
     other = emit(graph, aten.relu.default, (x,))  # another 256 KiB while `big` is still needed
     graph.output((view, other))
     assert simulate(graph, "cpu-gloo").peak_bytes == 2 * 256 * 256 * 4
+
+
+def test_exposure_by_phase_splits_the_exposed_time():
+    """On a unit graph as traced (each wait right after its issue), the gathers before the
+    first matmul are 'start', the reduce-scatters after the last matmul 'end', and the
+    three parts add up to the exposed time."""
+    from fsdp_compile.passes.cost_model import exposure_by_phase
+
+    traced, _ = build_unit_graph(2, 0, "0", 4)
+    sim = simulate(traced.graph, "cpu-gloo")
+    phases = exposure_by_phase(traced.graph, sim)
+    assert phases.start + phases.middle + phases.end == pytest.approx(sim.exposed_s)
+    assert phases.start > 0 and phases.end > 0
+    starts = [c for c in sim.collectives if c.kind == "all_gather"][:1]
+    assert phases.start >= starts[0].exposed_s
