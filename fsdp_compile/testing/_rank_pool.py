@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -128,6 +129,7 @@ class RankPool:
                 proc.kill()
                 proc.join()
         self._procs, self._conns = [], []
+        self._remove_stack_files()
 
     def _kill(self) -> None:
         for proc in self._procs:
@@ -135,6 +137,12 @@ class RankPool:
                 proc.kill()
             proc.join()
         self._procs, self._conns = [], []
+        self._remove_stack_files()
+
+    def _remove_stack_files(self) -> None:
+        if self._stack_files:
+            shutil.rmtree(os.path.dirname(self._stack_files[0]), ignore_errors=True)
+        self._stack_files = []
 
     def __enter__(self) -> "RankPool":
         self.start()
