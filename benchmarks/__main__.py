@@ -18,6 +18,12 @@ printed under a heading with the command that reproduces it and its run time:
 ``--quick`` gives every benchmark its small sizes (the whole run takes a few
 minutes on 2 cores; CI runs it as a smoke test). Without it: the sizes
 BENCHMARKS.md reports, which take much longer.
+
+A benchmark that fails is reported with a short "What failed" list first (exception
+lines with their innermost frames; for a rank that hung, its Python stack, which
+``RankPool`` takes with ``faulthandler``), then the end of its output. With
+``--quick`` it is run once more (``--retries``): a smoke run is not lost to one
+flaky hang, and the first failure stays in the log.
 """
 
 from __future__ import annotations
