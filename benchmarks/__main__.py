@@ -28,8 +28,10 @@ flaky hang, and the first failure stays in the log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -86,25 +88,50 @@ def failure_causes(text: str, limit: int = 24) -> list[str]:
 
 
 def run_one(name: str, quick: bool, timeout_s: float) -> tuple[str, float]:
-    """Run ``python -m benchmarks.<name>``; its standard output and run time."""
+    """Run ``python -m benchmarks.<name>``; its standard output and run time.
+
+    It runs in a session of its own: past ``timeout_s`` the whole session (the rank
+    processes it started included) gets SIGTERM, then SIGKILL 10 s later, so a hung
+    benchmark leaves nothing running beside the next one."""
     cmd = [sys.executable, "-m", f"benchmarks.{name}", *(QUICK_ARGS.get(name, []) if quick else [])]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                stdout, stderr = proc.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
     elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        causes = "\n".join(f"  {c}" for c in failure_causes(proc.stderr + "\n" + proc.stdout))
+    if timed_out or proc.returncode != 0:
+        how = f"did not finish in {timeout_s:.0f} s (stopped)" if timed_out else f"exited with {proc.returncode}"
+        causes = "\n".join(f"  {c}" for c in failure_causes(stderr + "\n" + stdout))
         raise BenchmarkFailed(
-            f"{' '.join(cmd[1:])} exited with {proc.returncode} after {elapsed:.0f} s. What failed:\n{causes}\n\n"
-            f"Its output's end:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+            f"{' '.join(cmd[1:])} {how} after {elapsed:.0f} s. What failed:\n{causes}\n\n"
+            f"Its output's end:\n{stdout[-2000:]}\n{stderr[-6000:]}"
         )
-    return proc.stdout.strip(), elapsed
+    return stdout.strip(), elapsed
 
 
 def main(argv=None) -> int:
     p = benchmark_parser(__doc__, quick_help="small sizes: a smoke run of every benchmark")
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per benchmark")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds allowed per benchmark (default: 900 with --quick, where each takes a few minutes at most; 3600 otherwise)",
+    )
     p.add_argument(
         "--retries",
         type=int,
@@ -124,6 +151,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPU cores, "
           f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}\n")
     retries = args.retries if args.retries is not None else (1 if args.quick else 0)
+    timeout_s = args.timeout if args.timeout is not None else (900 if args.quick else 3600)
     total = time.perf_counter()
     failed, flaky = [], []
     for name in names:
@@ -132,9 +160,9 @@ def main(argv=None) -> int:
         out = None
         for attempt in range(1 + retries):
             try:
-                out, elapsed = run_one(name, args.quick, args.timeout)
+                out, elapsed = run_one(name, args.quick, timeout_s)
                 break
-            except (BenchmarkFailed, subprocess.TimeoutExpired) as e:
+            except BenchmarkFailed as e:
                 again = "; running it again" if attempt < retries else ""
                 print(f"FAILED (attempt {attempt + 1} of {1 + retries}{again}): {e}\n", flush=True)
         if out is None:
