@@ -133,7 +133,10 @@ def _regather(slot: RegatherSlot) -> None:
 @dataclass
 class RegatherSlot:
     """One parameter's re-gathered tensor, shared by every saved view of it in
-    one backward and dropped once the last of them is unpacked."""
+    one backward and dropped once the last of them is unpacked.
+
+    One slot per forward gather (``gather_unit`` closes the previous one): the
+    saved views hold it, so a slot whose graph is dropped unused goes with it."""
 
     fsdp_param: FSDPParam
     pending: int = 0
