@@ -199,7 +199,7 @@ class RankPool:
 
     def _stack_of(self, rank: int) -> str:
         """The Python stacks of a live rank's threads, via SIGUSR1 (faulthandler marks the
-        thread that took the signal, normally the main one, \"Current thread\")."""
+        thread that took the signal, normally the main one, "Current thread")."""
         path = self._stack_files[rank] if rank < len(self._stack_files) else None
         if path is None:
             return "(no stack)"
