@@ -136,13 +136,12 @@ def saved_tensors_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def allow_side_effects(fn: Callable, *args):
-    """torch/_dynamo/utils.py: ``fn(*args)``; when Dynamo traces it inside a higher-order
-    op's region (activation checkpointing), mutations of Python state outside the region
-    are allowed instead of breaking the graph. A plain call otherwise."""
-    from torch._dynamo.utils import _disable_side_effect_safety_checks_for_current_subtracer
-
-    return _disable_side_effect_safety_checks_for_current_subtracer(fn, *args)
+# torch/_dynamo/utils.py: ``allow_side_effects(fn, *args)`` is ``fn(*args)``; when Dynamo
+# traces it inside a higher-order op's region (activation checkpointing), mutations of
+# Python state outside the region are allowed instead of breaking the graph. Bound
+# directly, not wrapped: it runs at every parameter read, and each wrapper is one more
+# function Dynamo inlines there.
+from torch._dynamo.utils import _disable_side_effect_safety_checks_for_current_subtracer as allow_side_effects  # noqa: E402
 
 
 def never_a_frame_of_its_own(fn: Callable) -> Callable:

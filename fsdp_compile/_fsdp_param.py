@@ -112,6 +112,9 @@ class FSDPParam:
         self._grad_accumulator: torch.Tensor | None = None
         self.owner: tuple[nn.Module, str] | None = None
         self.refresh_spec()
+        # Whether the gathered tensor (dim 0 first) is what the module reads: no dim moved
+        # back, no tensor-parallel DTensor around it (see :meth:`_for_compute`).
+        self._reads_gathered_as_is = (not shard_dim or self.layout is None) and tp is None
 
     @property
     def fqn(self) -> str:
@@ -151,11 +154,17 @@ class FSDPParam:
         """
         if self.state is not ParamState.SHARDED:
             return self.gathered
-        if forward_context.in_broken_graph():
+        # (Traced at every parameter read: each call below is one more function Dynamo
+        # inlines, so the compiled path skips what cannot apply there.)
+        if not torch.compiler.is_compiling() and forward_context.in_broken_graph():
             warn_gathered_in_broken_graph(self)
         local = self._gather_input(sharded_param)
-        accumulator = None if self.unit.requires_gradient_sync else self._grad_accumulator
-        pending = self._grad_accumulator.grad if accumulator is None and self._grad_accumulator is not None else None
+        accumulator = pending = None
+        if self._grad_accumulator is not None:
+            if self.unit.requires_gradient_sync:
+                pending = self._grad_accumulator.grad
+            else:
+                accumulator = self._grad_accumulator
         return self._note_gathered(gather_with_grad_sync(local, self.spec, pending, accumulator, self.kept))
 
     def bucket_key(self) -> tuple | None:
@@ -171,7 +180,7 @@ class FSDPParam:
     def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
         self.kept = None if self.unit.reshard_after_backward else full.detach()
-        self.gathered = self._for_compute(full)
+        self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
         self.state = ParamState.GATHERED
         forward_context.note_gathered(self)
         return self.gathered
@@ -205,7 +214,7 @@ class FSDPParam:
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local shard on the compute device, its shard dim first."""
         local = self.unit.devices.to_compute(sharded_param.to_local())
-        return local.movedim(self.shard_dim, 0) if self.shard_dim and self.layout is not None else local
+        return local if self._reads_gathered_as_is or not self.shard_dim or self.layout is None else local.movedim(self.shard_dim, 0)
 
     def _for_compute(self, full: torch.Tensor) -> torch.Tensor:
         """What the module's forward reads: the gathered tensor with its dims in place, as

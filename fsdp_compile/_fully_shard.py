@@ -626,7 +626,7 @@ def _read_managed(module: nn.Module, name: str):
         # checkpointed region (a subgraph under compile) takes only this plain tensor.
         return fsdp_param.gathered
     param = module._parameters[name]
-    if forward_context.depth == 0:
+    if not forward_context.frames:  # no sharded forward running
         if not torch.compiler.is_compiling() and in_backward_recompute():
             # Eager activation checkpointing inside a unit: backward re-runs the
             # checkpointed region outside the unit's forward; it needs the values only.

@@ -12,7 +12,7 @@ passes can tell our collectives from any other collective in the same graph
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,35 +36,38 @@ class ShardLayout:
     world_size: int
     rank: int
     group_name: str
+    # Derived from the four fields above, once: traced code reads them as constants
+    # (a property would be a function call Dynamo inlines at every parameter read).
+    dim0: int = field(init=False, compare=False, repr=False)
+    rows_per_rank: int = field(init=False, compare=False, repr=False)
+    local_rows: int = field(init=False, compare=False, repr=False)
+    local_shape: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    padded_local_shape: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    #: Elements each rank contributes to (and receives from) a collective.
+    padded_numel: int = field(init=False, compare=False, repr=False)
+    #: Rows of the padded full tensor: ``rows_per_rank * world_size`` (>= ``dim0``).
+    padded_dim0: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def dim0(self) -> int:
-        return self.full_shape[0]
-
-    @property
-    def rows_per_rank(self) -> int:
-        return -(-self.dim0 // self.world_size)
-
-    @property
-    def local_rows(self) -> int:
-        start = self.rank * self.rows_per_rank
-        return max(0, min(self.dim0, start + self.rows_per_rank) - start)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.local_rows, *self.full_shape[1:])
-
-    @property
-    def padded_local_shape(self) -> tuple[int, ...]:
-        return (self.rows_per_rank, *self.full_shape[1:])
-
-    @property
-    def padded_numel(self) -> int:
-        """Elements each rank contributes to (and receives from) a collective."""
-        n = self.rows_per_rank
-        for s in self.full_shape[1:]:
-            n *= s
-        return n
+    def __post_init__(self) -> None:
+        dim0 = self.full_shape[0]
+        rows = -(-dim0 // self.world_size)
+        start = self.rank * rows
+        local_rows = max(0, min(dim0, start + rows) - start)
+        rest = self.full_shape[1:]
+        numel = rows
+        for size in rest:
+            numel *= size
+        derived = {
+            "dim0": dim0,
+            "rows_per_rank": rows,
+            "local_rows": local_rows,
+            "local_shape": (local_rows, *rest),
+            "padded_local_shape": (rows, *rest),
+            "padded_numel": numel,
+            "padded_dim0": rows * self.world_size,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,18 @@ class CollectiveSpec:
     grad_scale: float | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    # The ``fx_annotate`` values of the traced nodes, built once from ``tag`` (traced
+    # code then reads a constant instead of building a dict at every parameter read):
+    # the gather's; the reduce-scatter's; the all-reduce's after it.
+    meta: dict = field(init=False, compare=False, repr=False)
+    reduce_meta: dict = field(init=False, compare=False, repr=False)
+    all_reduce_meta: dict = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        all_reduce_role = Role.REDUCE_GRAD if self.layout is None else Role.REPLICATE_GRAD
+        object.__setattr__(self, "meta", self.tag.as_meta())
+        object.__setattr__(self, "reduce_meta", self.tag.as_meta(Role.REDUCE_GRAD))
+        object.__setattr__(self, "all_reduce_meta", self.tag.as_meta(all_reduce_role))
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -104,21 +119,15 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _all_gather(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
-    padded = _pad_rows(local, layout.rows_per_rank)
-    gathered = c10d_functional.all_gather_into_tensor(padded, layout.world_size, layout.group_name)
-    gathered = c10d_functional.wait_tensor(gathered)
-    if gathered.shape[0] != layout.dim0:
-        gathered = gathered.narrow(0, 0, layout.dim0)
-    return gathered
+    padded = _pad_rows(local, layout.rows_per_rank) if layout.local_rows != layout.rows_per_rank else local.contiguous()
+    gathered = c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(padded, layout.world_size, layout.group_name))
+    return gathered.narrow(0, 0, layout.dim0) if layout.padded_dim0 != layout.dim0 else gathered
 
 
 def _reduce_scatter(grad_full: torch.Tensor, layout: ShardLayout, reduce_op: str) -> torch.Tensor:
-    padded = _pad_rows(grad_full, layout.rows_per_rank * layout.world_size)
-    shard = c10d_functional.reduce_scatter_tensor(padded, reduce_op, layout.world_size, layout.group_name)
-    shard = c10d_functional.wait_tensor(shard)
-    if shard.shape[0] != layout.local_rows:
-        shard = shard.narrow(0, 0, layout.local_rows)
-    return shard
+    padded = _pad_rows(grad_full, layout.padded_dim0) if layout.padded_dim0 != layout.dim0 else grad_full.contiguous()
+    shard = c10d_functional.wait_tensor(c10d_functional.reduce_scatter_tensor(padded, reduce_op, layout.world_size, layout.group_name))
+    return shard.narrow(0, 0, layout.local_rows) if layout.local_rows != layout.rows_per_rank else shard
 
 
 def post_forward_shard(full: torch.Tensor, layout: ShardLayout, group_size: int, index: int) -> torch.Tensor:
@@ -155,35 +164,34 @@ class _GatherWithGradSync(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, pending, accumulator, spec: CollectiveSpec, kept):
-        ctx.spec, ctx.shard_dtype = spec, local.dtype
-        ctx.sync, ctx.has_pending = accumulator is None, pending is not None
+        # (Dynamo traces this at every parameter read: kept short on purpose.)
+        ctx.spec, ctx.shard_dtype, ctx.sync = spec, local.dtype, accumulator is None
+        ctx.has_pending = pending is not None
         if pending is not None:
             ctx.save_for_backward(pending)
         if kept is not None:  # still gathered from the last forward (reshard_after_backward=False)
             return kept.view_as(kept)
-        cast = spec.param_dtype is not None and spec.param_dtype != local.dtype
-        if cast:
-            local = local.to(spec.param_dtype)
-        if spec.layout is not None:
-            return _all_gather(local, spec.layout)
-        return local if cast else local.view_as(local)
+        if spec.param_dtype is not None and spec.param_dtype != local.dtype:
+            local = local.to(spec.param_dtype)  # cast first: a bf16 policy gathers half the bytes
+        elif spec.layout is None:
+            return local.view_as(local)
+        return local if spec.layout is None else _all_gather(local, spec.layout)
 
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
         if not ctx.sync:
             return None, None, grad.to(ctx.shard_dtype), None, None
-        reduce_meta = spec.tag.as_meta(Role.REDUCE_GRAD)
-        with fx_annotate(reduce_meta):
+        with fx_annotate(spec.reduce_meta):
             grad = _gradient_to_reduce(ctx, grad, spec)
             if spec.layout is not None:
                 grad = _reduce_scatter(grad, spec.layout, spec.reduce_op)
-        all_reduce_role = Role.REDUCE_GRAD if spec.layout is None else Role.REPLICATE_GRAD
-        with fx_annotate(spec.tag.as_meta(all_reduce_role)):
-            for group_name in spec.reduce_group_names:
-                grad = c10d_functional.wait_tensor(c10d_functional.all_reduce(grad.contiguous(), spec.reduce_op, group_name))
-        with fx_annotate(reduce_meta):
-            if grad.dtype != ctx.shard_dtype:
+        if spec.reduce_group_names:
+            with fx_annotate(spec.all_reduce_meta):
+                for group_name in spec.reduce_group_names:
+                    grad = c10d_functional.wait_tensor(c10d_functional.all_reduce(grad.contiguous(), spec.reduce_op, group_name))
+        if grad.dtype != ctx.shard_dtype:
+            with fx_annotate(spec.reduce_meta):
                 grad = grad.to(ctx.shard_dtype)
         return grad, None, None, None, None
 
@@ -220,5 +228,5 @@ def gather_with_grad_sync(
     the last forward (``set_reshard_after_backward(False)``); returned instead of
     gathering, with the same backward.
     """
-    with fx_annotate(spec.tag.as_meta()):
+    with fx_annotate(spec.meta):
         return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept)

@@ -21,7 +21,6 @@ import torch
 from fsdp_compile._compat import c10d_functional, fx_annotate
 from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in
 from fsdp_compile.runtime.collectives import CollectiveSpec, ShardLayout
-from fsdp_compile.runtime.vocabulary import Role
 
 
 def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
@@ -95,7 +94,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         specs, first = ctx.specs, ctx.specs[0]
-        with fx_annotate(first.tag.as_meta(Role.REDUCE_GRAD)):
+        with fx_annotate(first.reduce_meta):
             if first.reduce_dtype is not None:
                 grads = [g.to(first.reduce_dtype) for g in grads]
             if first.grad_scale is not None:
