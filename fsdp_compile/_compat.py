@@ -69,6 +69,40 @@ def set_post_grad_custom_post_pass(value) -> None:
     inductor_config.post_grad_custom_post_pass = value
 
 
+def _mesh_for_cache_key(mesh):
+    """A ``DeviceMesh``'s pickled state without its cached ``_hash`` (see
+    :func:`make_graph_cache_keys_stable`)."""
+    state = {k: v for k, v in mesh.__getstate__().items() if k != "_hash"}
+    return _identity, (type(mesh).__qualname__, sorted(state.items()))
+
+
+def _identity(x):
+    return x
+
+
+def make_graph_cache_keys_stable() -> None:
+    """torch/_inductor/codecache.py ``FxGraphCachePickler``: Inductor's FX-graph cache key
+    pickles every graph input, and a DTensor parameter brings its ``DeviceMesh`` in as
+    one. The mesh's pickled state holds ``_hash``, computed from the hash of an object
+    (its layout) that differs in every process, so every process computed another key
+    for the same graph and a restarted job never hit the cache (torch 2.13 and 2.15).
+    Keys then pickle the mesh without ``_hash``; the fields it hashes are all still in.
+    Idempotent."""
+    from torch._inductor.codecache import FxGraphCachePickler
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if getattr(FxGraphCachePickler, "_fsdp_compile_stable_mesh", False):
+        return
+    original_init = FxGraphCachePickler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.dispatch_table[DeviceMesh] = _mesh_for_cache_key
+
+    FxGraphCachePickler.__init__ = __init__
+    FxGraphCachePickler._fsdp_compile_stable_mesh = True
+
+
 def preserve_node_ordering(graph, additional_deps: dict) -> None:
     """torch/_inductor/fx_passes/control_dependencies.py: wrap each dependent node in
     ``control_deps`` so Inductor's scheduler runs it after the given nodes."""

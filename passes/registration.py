@@ -30,6 +30,7 @@ from fsdp_compile._compat import (
     get_joint_custom_pass,
     get_post_grad_custom_post_pass,
     hash_of_files,
+    make_graph_cache_keys_stable,
     set_joint_custom_pass,
     set_post_grad_custom_post_pass,
 )
@@ -162,7 +163,9 @@ _POST_GRAD_PASS = FSDPPostGradPass()
 
 
 def install_passes() -> None:
-    """Idempotent: make sure each of our passes is in its chain exactly once."""
+    """Idempotent: make sure each of our passes is in its chain exactly once (and that
+    graphs with DTensor parameters get the same Inductor cache key in every process)."""
+    make_graph_cache_keys_stable()
     current = get_joint_custom_pass()
     if not isinstance(current, _ChainedJointPass):
         set_joint_custom_pass(_ChainedJointPass(current))

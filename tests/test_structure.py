@@ -317,3 +317,48 @@ def test_pass_time_is_recorded_per_graph(fake_pg):
     recorded = pass_seconds[before:]
     assert [stage for _, stage, _ in recorded] == ["joint", "post_grad", "post_grad"], recorded
     assert all(seconds > 0 for *_, seconds in recorded)
+
+
+
+def _compile_a_sharded_mlp() -> dict:
+    """Compile one step of a small sharded model with Inductor (``fake`` world of 8, as
+    rank 0); Inductor's counters (cache hits and misses)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = shard_blocks(MLPStack(dim=16, n_layers=2))
+    torch.compile(model, backend="inductor", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    return dict(counters["inductor"])
+
+
+_IN_A_NEW_PROCESS = """
+import json, torch.distributed as dist
+from fsdp_compile._compat import register_fake_process_group
+from tests.test_structure import _compile_a_sharded_mlp
+register_fake_process_group()
+dist.init_process_group("fake", rank=0, world_size=8)
+print(json.dumps(_compile_a_sharded_mlp()))
+"""
+
+
+def test_a_restarted_job_compiles_from_inductors_cache(fake_pg):
+    """The same sharded model compiled again in a new process (a restarted job) is found
+    in Inductor's FX-graph cache: its key holds nothing that differs per process.
+    (Before, each DeviceMesh input was pickled with its ``_hash``, which hashes an
+    object id: no sharded graph was ever found in the cache after a restart.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not torch._inductor.config.fx_graph_cache:
+        pytest.skip("Inductor's FX-graph cache is turned off here (TORCHINDUCTOR_FX_GRAPH_CACHE=0)")
+    _compile_a_sharded_mlp()  # stored in the cache (or found there, from an earlier run)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # for "tests.*"
+    env["PYTHONPATH"] = os.pathsep.join([repo_root, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _IN_A_NEW_PROCESS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = json.loads(done.stdout.strip().splitlines()[-1])
+    assert again.get("fxgraph_cache_miss", 0) == 0 and again.get("fxgraph_cache_hit", 0) == 2, again
