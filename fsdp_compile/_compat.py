@@ -7,6 +7,7 @@ Each name is listed with the torch file it comes from (torch 2.13).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -80,27 +81,43 @@ def _identity(x):
     return x
 
 
+def _with_annotations(reduce_graph, gm):
+    """``reduce_graph(gm)`` with every node's ``fx_annotate`` value added to the pickled
+    state (see :func:`make_graph_cache_keys_stable`)."""
+    fn, (state, *rest) = reduce_graph(gm)
+    annotations = [(node.name, node.meta["custom"]) for node in gm.graph.nodes if node.meta.get("custom")]
+    return fn, ({**state, "_annotations": repr(annotations)}, *rest)
+
+
 def make_graph_cache_keys_stable() -> None:
-    """torch/_inductor/codecache.py ``FxGraphCachePickler``: Inductor's FX-graph cache key
-    pickles every graph input, and a DTensor parameter brings its ``DeviceMesh`` in as
-    one. The mesh's pickled state holds ``_hash``, computed from the hash of an object
-    (its layout) that differs in every process, so every process computed another key
-    for the same graph and a restarted job never hit the cache (torch 2.13 and 2.15).
-    Keys then pickle the mesh without ``_hash``; the fields it hashes are all still in.
+    """torch/_inductor/codecache.py ``FxGraphCachePickler``: what Inductor's FX-graph cache
+    key is made of, corrected in two ways.
+
+    * A DTensor parameter brings its ``DeviceMesh`` in as a graph input, and the mesh's
+      pickled state holds ``_hash``, computed from the hash of an object (its layout)
+      that differs in every process: every process computed another key for the same
+      graph, and a restarted job never hit the cache (torch 2.13 and 2.15). Meshes are
+      keyed by their state without ``_hash``; the fields it hashes are all still in.
+    * The key pickles a graph's code, not its nodes' ``fx_annotate`` values, which our
+      passes read (units, prefetch hints): two graphs alike but for them would share an
+      entry, compiled with the other's schedule. They are added to the key.
+
     Idempotent."""
     from torch._inductor.codecache import FxGraphCachePickler
     from torch.distributed.device_mesh import DeviceMesh
 
-    if getattr(FxGraphCachePickler, "_fsdp_compile_stable_mesh", False):
+    if getattr(FxGraphCachePickler, "_fsdp_compile_stable_keys", False):
         return
     original_init = FxGraphCachePickler.__init__
 
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
+    def __init__(self, gm, *args, **kwargs):
+        original_init(self, gm, *args, **kwargs)
         self.dispatch_table[DeviceMesh] = _mesh_for_cache_key
+        reduce_graph = self.dispatch_table.get(type(gm), type(gm).__reduce__)
+        self.dispatch_table[type(gm)] = functools.partial(_with_annotations, reduce_graph)
 
     FxGraphCachePickler.__init__ = __init__
-    FxGraphCachePickler._fsdp_compile_stable_mesh = True
+    FxGraphCachePickler._fsdp_compile_stable_keys = True
 
 
 def preserve_node_ordering(graph, additional_deps: dict) -> None:

@@ -59,8 +59,12 @@ def dump_dir() -> Path | None:
 
 @contextlib.contextmanager
 def dump(path: str | os.PathLike) -> Iterator[Path]:
-    """Write every stage of each graph compiled inside the context under ``path``."""
+    """Write every stage of each graph compiled inside the context under ``path``.
+
+    Inductor's caches are off inside it: a graph found in a cache skips our passes
+    and Inductor's code generation, so it would have no stage to write."""
     import depyf
+    import torch
 
     from fsdp_compile._compat import output_code_hook
 
@@ -68,7 +72,11 @@ def dump(path: str | os.PathLike) -> Iterator[Path]:
     _state["dir"] = str(path)
     here = dump_dir()
     try:
-        with depyf.prepare_debug(str(here / "depyf")), output_code_hook(_save_output_code):
+        with (
+            torch.compiler.config.patch(force_disable_caches=True),
+            depyf.prepare_debug(str(here / "depyf")),
+            output_code_hook(_save_output_code),
+        ):
             yield here
     finally:
         _state["dir"] = previous

@@ -308,26 +308,33 @@ def test_set_reshard_after_forward_changes_the_backward_graph(fake_pg):
 
 def test_pass_time_is_recorded_per_graph(fake_pg):
     """Every graph our passes run on records what they took (benchmarks.step_time
-    reports the sum per compile): the joint graph, then the forward and the backward."""
+    reports the sum per compile): the joint graph, then the forward and the backward.
+    (Cold caches: a graph found in Inductor's cache skips the post-grad passes.)"""
+    from torch._inductor.utils import fresh_cache
+
     from fsdp_compile.passes.registration import pass_seconds
 
     before = len(pass_seconds)
     model = shard_blocks(MLPStack(dim=16, n_layers=2))
-    torch.compile(model, backend="inductor", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    with fresh_cache():
+        torch.compile(model, backend="inductor", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
     recorded = pass_seconds[before:]
     assert [stage for _, stage, _ in recorded] == ["joint", "post_grad", "post_grad"], recorded
     assert all(seconds > 0 for *_, seconds in recorded)
 
 
 
-def _compile_a_sharded_mlp() -> dict:
+def _compile_a_sharded_mlp(prefetch_hint: bool = False) -> dict:
     """Compile one step of a small sharded model with Inductor (``fake`` world of 8, as
-    rank 0); Inductor's counters (cache hits and misses)."""
+    rank 0), with or without a forward prefetch hint; Inductor's counters (cache hits
+    and misses)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     model = shard_blocks(MLPStack(dim=16, n_layers=2))
+    if prefetch_hint:
+        model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
     torch.compile(model, backend="inductor", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
     return dict(counters["inductor"])
 
@@ -362,3 +369,18 @@ def test_a_restarted_job_compiles_from_inductors_cache(fake_pg):
     assert done.returncode == 0, done.stderr[-3000:]
     again = json.loads(done.stdout.strip().splitlines()[-1])
     assert again.get("fxgraph_cache_miss", 0) == 0 and again.get("fxgraph_cache_hit", 0) == 2, again
+
+
+def test_graphs_alike_but_for_their_tags_do_not_share_a_cache_entry(fake_pg):
+    """A prefetch hint changes only our tags on the collectives (the graph's code is the
+    same) and our passes schedule by them, so Inductor's cache key must tell the two
+    graphs apart; the same graph again is found."""
+    from torch._inductor.utils import fresh_cache
+
+    if not torch._inductor.config.fx_graph_cache:
+        pytest.skip("Inductor's FX-graph cache is turned off here (TORCHINDUCTOR_FX_GRAPH_CACHE=0)")
+    with fresh_cache():
+        assert _compile_a_sharded_mlp().get("fxgraph_cache_miss") == 2
+        assert _compile_a_sharded_mlp().get("fxgraph_cache_hit") == 2
+        hinted = _compile_a_sharded_mlp(prefetch_hint=True)
+    assert hinted.get("fxgraph_cache_hit", 0) == 0 and hinted.get("fxgraph_cache_miss") == 2, hinted
