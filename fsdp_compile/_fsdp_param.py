@@ -214,7 +214,7 @@ class FSDPParam:
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local shard on the compute device, its shard dim first."""
         local = self.unit.devices.to_compute(sharded_param.to_local())
-        return local if self._reads_gathered_as_is or not self.shard_dim or self.layout is None else local.movedim(self.shard_dim, 0)
+        return local.movedim(self.shard_dim, 0) if self.shard_dim and self.layout is not None else local
 
     def _for_compute(self, full: torch.Tensor) -> torch.Tensor:
         """What the module's forward reads: the gathered tensor with its dims in place, as
