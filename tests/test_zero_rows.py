@@ -139,17 +139,20 @@ def ranks_by_shard_rows(world_size: int) -> list[int]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_row_shards_train_like_the_reference(rank_pools, world_size):
+    """Eager and Inductor on 2 and 4 ranks (``aot_eager`` on 2: it runs the graph our
+    post-grad passes, where the zero-row bug was, never see)."""
+    compiled = ("aot_eager", "inductor") if world_size == 2 else ("inductor",)
     report = assert_parity(
         build,
         batch,
         loss,
         shard_fn=shard,
         world_size=world_size,
-        backends=("eager", "aot_eager", "inductor"),
+        backends=("eager", *compiled),
         compile_kwargs={"fullgraph": True},
         pool=rank_pools(world_size),
     )
-    assert report.graphs == {"ours:aot_eager": 1, "ours:inductor": 1}
+    assert report.graphs == {f"ours:{backend}": 1 for backend in compiled}
 
 
 def test_zero_row_shards_match_fsdp2(pool2):
