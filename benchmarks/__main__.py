@@ -11,6 +11,7 @@ printed under a heading with the command that reproduces it and its run time:
 * ``memory``       peak memory per rank, reshard_after_forward True and False;
 * ``comm_volume``  bytes and collectives per step vs the ideal;
 * ``graph_count``  graphs, frames and graph breaks per step;
+* ``compile_cost``  Dynamo's time per sharded parameter; what a restarted job compiles again;
 * ``passes_vs_builtin``  ours vs Inductor's built-in bucketing (modelled);
 * ``scale``        Llama-3-8B / 70B shapes at 8-512 ranks (modelled);
 * ``dynamic_shapes``  compiles over varying lengths (full mode only: minutes of cold compiles).
@@ -38,7 +39,18 @@ import time
 
 from benchmarks._common import benchmark_parser
 
-BENCHMARKS = ["step_time", "breakdown", "shaped_link", "memory", "comm_volume", "graph_count", "passes_vs_builtin", "scale", "dynamic_shapes"]
+BENCHMARKS = [
+    "step_time",
+    "breakdown",
+    "shaped_link",
+    "memory",
+    "comm_volume",
+    "graph_count",
+    "compile_cost",
+    "passes_vs_builtin",
+    "scale",
+    "dynamic_shapes",
+]
 QUICK_ARGS = {
     "step_time": ["--quick"],
     "breakdown": ["--quick"],
@@ -46,6 +58,7 @@ QUICK_ARGS = {
     "memory": ["--quick"],
     "comm_volume": ["--quick"],
     "graph_count": ["--layers", "2"],
+    "compile_cost": ["--quick"],
     "passes_vs_builtin": ["--layers", "2", "--dim", "128", "--seq", "64"],
     "scale": ["--quick"],
 }
