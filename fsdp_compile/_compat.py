@@ -74,7 +74,7 @@ def _mesh_for_cache_key(mesh):
     """A ``DeviceMesh``'s pickled state without its cached ``_hash`` (see
     :func:`make_graph_cache_keys_stable`)."""
     state = {k: v for k, v in mesh.__getstate__().items() if k != "_hash"}
-    return _identity, (type(mesh).__qualname__, sorted(state.items()))
+    return _identity, ((type(mesh).__qualname__, sorted(state.items())),)
 
 
 def _identity(x):
