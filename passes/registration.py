@@ -154,8 +154,13 @@ class FSDPPostGradPass(CustomGraphPass):
     def uuid(self):
         import os
 
+        # Our passes, and the runtime whose gather op AOTAutograd decomposes: its cache
+        # keys the graph Dynamo built, where that op is one opaque node.
+        import fsdp_compile.runtime
+
         here = os.path.dirname(__file__)
-        files = tuple(sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py")))
+        runtime = os.path.dirname(fsdp_compile.runtime.__file__)
+        files = tuple(sorted(os.path.join(d, f) for d in (here, runtime) for f in os.listdir(d) if f.endswith(".py")))
         return hash_of_files(files, repr(sorted(config.snapshot().items())))
 
 

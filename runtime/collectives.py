@@ -103,8 +103,15 @@ class CollectiveSpec:
     meta: dict = field(init=False, compare=False, repr=False)
     reduce_meta: dict = field(init=False, compare=False, repr=False)
     all_reduce_meta: dict = field(init=False, compare=False, repr=False)
+    #: What the gather op (:data:`gather_op`) is passed to find this spec again: its
+    #: ``repr``, so equal keys mean equal specs in every process (the op's argument is
+    #: in AOTAutograd's cache key).
+    key: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        key = repr(self)
+        object.__setattr__(self, "key", key)
+        _SPECS_BY_KEY.setdefault(key, self)
         all_reduce_role = Role.REDUCE_GRAD if self.layout is None else Role.REPLICATE_GRAD
         object.__setattr__(self, "meta", self.tag.as_meta())
         object.__setattr__(self, "reduce_meta", self.tag.as_meta(Role.REDUCE_GRAD))
@@ -228,5 +235,32 @@ def gather_with_grad_sync(
     the last forward (``set_reshard_after_backward(False)``); returned instead of
     gathering, with the same backward.
     """
+    if kept is None and spec.layout is not None:
+        return gather_op(local, pending, accumulator, spec.key)  # the common case: see gather_op
     with fx_annotate(spec.meta):
         return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept)
+
+
+# The common gather as one opaque op for Dynamo. Dynamo speculates an
+# ``autograd.Function``'s forward and backward at every call, which cost more than half
+# of its tracing time per sharded parameter; an op is one node for it. The op is
+# CompositeImplicitAutograd: AOTAutograd (and eager) run its Python body, the same
+# ``_GatherWithGradSync``, so the joint graph has the same functional collectives,
+# annotated the same way, as the passes expect. Its schema returns a new tensor, so
+# it is only used where the forward does not return a view of an input (see
+# :func:`gather_with_grad_sync`).
+_SPECS_BY_KEY: dict[str, CollectiveSpec] = {}
+_LIBRARY = torch.library.Library("fsdp_compile", "DEF")
+_LIBRARY.define("gather_with_grad_sync(Tensor local, Tensor? pending, Tensor? accumulator, str spec) -> Tensor")
+
+
+def _gather_with_grad_sync_op(local, pending, accumulator, spec_key: str) -> torch.Tensor:
+    spec = _SPECS_BY_KEY[spec_key]
+    with fx_annotate(spec.meta):
+        return _GatherWithGradSync.apply(local, pending, accumulator, spec, None)
+
+
+_LIBRARY.impl("gather_with_grad_sync", _gather_with_grad_sync_op, "CompositeImplicitAutograd")
+#: ``torch.ops.fsdp_compile.gather_with_grad_sync``: :func:`gather_with_grad_sync` without
+#: ``kept``, for a sharded parameter, with its spec passed by :attr:`CollectiveSpec.key`.
+gather_op = torch.ops.fsdp_compile.gather_with_grad_sync.default

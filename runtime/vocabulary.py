@@ -21,6 +21,12 @@ from fsdp_compile._compat import OpOverload, c10d_functional
 
 #: Key under ``node.meta["custom"]`` holding a tag's fields.
 TAG_KEY = "fsdp_compile"
+#: The key of a gradient reduction's tag (roles ``REDUCE_GRAD`` / ``REPLICATE_GRAD``),
+#: read before :data:`TAG_KEY`. AOTAutograd copies each forward node's annotations onto
+#: the backward nodes its autograd node produced, the forward's winning on a shared key
+#: (``copy_fwd_metadata_to_bw_nodes``): under one key, the reduce-scatter traced in the
+#: gather's backward would read as an ``unshard``.
+GRAD_TAG_KEY = "fsdp_compile_grad"
 
 aten = torch.ops.aten
 ALL_GATHER = c10d_functional.all_gather_into_tensor.default
@@ -44,6 +50,9 @@ class Role(str, enum.Enum):
     REDUCE_GRAD = "reduce_grad"
     #: HSDP's all-reduce over the replicate dimension after the reduce-scatter.
     REPLICATE_GRAD = "replicate_grad"
+
+
+_GRAD_ROLES = (Role.REDUCE_GRAD, Role.REPLICATE_GRAD)
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,10 @@ class CollectiveTag:
         """The ``node.meta["custom"]`` value (what ``fx_annotate`` takes), with ``role``
         instead of the tag's own if given: plain constants, so Dynamo traces building
         it and Inductor's caches pickle it."""
+        role = role or self.role
         return {
-            TAG_KEY: {
-                "role": (role or self.role).value,
+            GRAD_TAG_KEY if role in _GRAD_ROLES else TAG_KEY: {
+                "role": role.value,
                 "param_fqn": self.param_fqn,
                 "unit_fqn": self.unit_fqn,
                 "reshard_after_forward": self.reshard_after_forward,
@@ -98,7 +108,9 @@ class CollectiveTag:
 def tag_of(node: fx.Node) -> CollectiveTag | None:
     """The tag ``node`` was traced (or emitted) under, if any."""
     custom = node.meta.get("custom")
-    fields = custom.get(TAG_KEY) if isinstance(custom, dict) else None
+    if not isinstance(custom, dict):
+        return None
+    fields = custom.get(GRAD_TAG_KEY) or custom.get(TAG_KEY)
     if fields is None:
         return None
     reshard_to = fields.get("reshard_to")

@@ -193,9 +193,14 @@ def test_llama_compiles_to_one_graph(fake_pg):
     # Each parameter is gathered exactly once in forward, tied weight included.
     assert len(collective_nodes(fw, ALL_GATHER)) == n_params
     assert len(collective_nodes(bw, REDUCE_SCATTER)) == n_params
-    assert saved_all_gathers(fw) != []  # the root unit (embeddings, norm) is kept: reshard=False
-    from fsdp_compile.runtime import tag_of
+    # Each reduce-scatter is tagged as the gradient reduction of its parameter (AOTAutograd
+    # copies the gather's forward annotations onto its backward nodes: they must not win).
+    from fsdp_compile.runtime import Role, tag_of
 
+    rs_tags = [tag_of(node) for node in collective_nodes(bw, REDUCE_SCATTER)]
+    assert {tag.role for tag in rs_tags} == {Role.REDUCE_GRAD}
+    assert sorted(tag.param_fqn for tag in rs_tags) == sorted(name for name, _ in model.named_parameters())
+    assert saved_all_gathers(fw) != []  # the root unit (embeddings, norm) is kept: reshard=False
     assert {tag_of(node).unit_fqn for node in saved_all_gathers(fw)} == {""}  # only the root's
 
 
@@ -326,8 +331,8 @@ def test_pass_time_is_recorded_per_graph(fake_pg):
 
 def _compile_a_sharded_mlp(prefetch_hint: bool = False) -> dict:
     """Compile one step of a small sharded model with Inductor (``fake`` world of 8, as
-    rank 0), with or without a forward prefetch hint; Inductor's counters (cache hits
-    and misses)."""
+    rank 0), with or without a forward prefetch hint; Inductor's counters (FX-graph
+    cache hits and misses) and AOTAutograd's (``autograd_cache_*``)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -336,7 +341,7 @@ def _compile_a_sharded_mlp(prefetch_hint: bool = False) -> dict:
     if prefetch_hint:
         model.layers[0].set_modules_to_forward_prefetch([model.layers[1]])
     torch.compile(model, backend="inductor", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
-    return dict(counters["inductor"])
+    return {**counters["inductor"], **counters["aot_autograd"]}
 
 
 _IN_A_NEW_PROCESS = """
@@ -351,9 +356,11 @@ print(json.dumps(_compile_a_sharded_mlp()))
 
 def test_a_restarted_job_compiles_from_inductors_cache(fake_pg):
     """The same sharded model compiled again in a new process (a restarted job) is found
-    in Inductor's FX-graph cache: its key holds nothing that differs per process.
-    (Before, each DeviceMesh input was pickled with its ``_hash``, which hashes an
-    object id: no sharded graph was ever found in the cache after a restart.)"""
+    in Inductor's FX-graph cache and AOTAutograd's cache: their keys hold nothing that
+    differs per process. (Before, each DeviceMesh input was pickled with its ``_hash``,
+    which hashes an object id: no sharded graph was ever found in the cache after a
+    restart; and AOTAutograd's cache refused the graph while it held our gather's
+    ``autograd.Function``, so a restart traced it again.)"""
     import json
     import os
     import subprocess
@@ -369,12 +376,14 @@ def test_a_restarted_job_compiles_from_inductors_cache(fake_pg):
     assert done.returncode == 0, done.stderr[-3000:]
     again = json.loads(done.stdout.strip().splitlines()[-1])
     assert again.get("fxgraph_cache_miss", 0) == 0 and again.get("fxgraph_cache_hit", 0) == 2, again
+    if torch._functorch.config.enable_autograd_cache:
+        assert again.get("autograd_cache_hit", 0) == 1 and again.get("autograd_cache_bypass", 0) == 0, again
 
 
 def test_graphs_alike_but_for_their_tags_do_not_share_a_cache_entry(fake_pg):
     """A prefetch hint changes only our tags on the collectives (the graph's code is the
-    same) and our passes schedule by them, so Inductor's cache key must tell the two
-    graphs apart; the same graph again is found."""
+    same) and our passes schedule by them, so Inductor's and AOTAutograd's cache keys
+    must tell the two graphs apart; the same graph again is found."""
     from torch._inductor.utils import fresh_cache
 
     if not torch._inductor.config.fx_graph_cache:
@@ -384,3 +393,4 @@ def test_graphs_alike_but_for_their_tags_do_not_share_a_cache_entry(fake_pg):
         assert _compile_a_sharded_mlp().get("fxgraph_cache_hit") == 2
         hinted = _compile_a_sharded_mlp(prefetch_hint=True)
     assert hinted.get("fxgraph_cache_hit", 0) == 0 and hinted.get("fxgraph_cache_miss") == 2, hinted
+    assert hinted.get("autograd_cache_hit", 0) == 0, hinted
