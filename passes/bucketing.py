@@ -9,7 +9,9 @@ Copies (one pass over the bytes each way, as FSDP2's copy-in/copy-out):
 * all-gather: copy-in (``fsdp_compile::all_gather_copy_in``, an opaque op so
   Inductor cannot fuse it into unrelated compute and delay the collective)
   writes the members' local shards, zero-padded, into one flat buffer
-  (``local bytes``; the runtime's per-parameter padding ``pad_dim0`` is folded in); copy-out takes each member's column block of the
+  (``local bytes``; the runtime's per-parameter padding ``pad_dim0`` is folded in); copy-out
+  (``fsdp_compile::all_gather_copy_out``, opaque too: as traced slices and clones each
+  member was a C++ kernel of its own to compile) takes each member's column block of the
   ``[world_size, total]`` result into its own contiguous tensor (``gathered
   bytes``), since each member's rows are spread over every rank's block.
 * all-reduce (HSDP's replicate dimension, replicated parameters): the members'
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +64,7 @@ from fsdp_compile.runtime.vocabulary import (
 log = logging.getLogger("fsdp_compile.passes.bucketing")
 
 ALL_GATHER_COPY_IN = torch.ops.fsdp_compile.all_gather_copy_in.default
+ALL_GATHER_COPY_OUT = torch.ops.fsdp_compile.all_gather_copy_out.default
 REDUCE_SCATTER_COPY_IN = torch.ops.fsdp_compile.reduce_scatter_copy_in.default
 PAD_DIM0 = torch.ops.fsdp_compile.pad_dim0.default
 
@@ -128,7 +132,6 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
     members = bucket.members
     ws, group = members[0].world_size, members[0].group_name
     numels = [m.input_numel for m in members]
-    total = sum(numels)
     tag = _bucket_tag(bucket)
     anchor = _all_gather_anchor(members)
     with graph.inserting_before(anchor):
@@ -136,13 +139,10 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
         copy_in = emit(graph, ALL_GATHER_COPY_IN, (sources, numels), tag=tag)
         issue = emit(graph, ALL_GATHER, (copy_in, ws, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
-        grid = emit(graph, aten.view.default, (wait, [ws, total]), tag=tag)
-        offset = 0
-        for m, numel in zip(members, numels):
-            block = emit(graph, aten.slice.Tensor, (grid, 1, offset, offset + numel), tag=tag)
-            offset += numel
-            copy_out = emit(graph, aten.clone.default, (block,), {"memory_format": torch.contiguous_format}, tag=tag)
-            full = emit(graph, aten.view.default, (copy_out, list(val(m.wait).shape)), tag=tag)
+        copy_out = emit(graph, ALL_GATHER_COPY_OUT, (wait, numels, ws), tag=tag)
+        for i, m in enumerate(members):
+            flat = emit(graph, operator.getitem, (copy_out, i), tag=tag)
+            full = emit(graph, aten.view.default, (flat, list(val(m.wait).shape)), tag=tag)
             m.wait.replace_all_uses_with(full)
     _erase_members(graph, members)
 

@@ -1,5 +1,5 @@
 """Copy ops around our collectives, as opaque custom ops: the dim-0 padding of an
-uneven shard, and the copy-ins of bucketed collectives.
+uneven shard, and the copy-ins and the all-gather copy-out of bucketed collectives.
 
 Why the padding is an op of its own: a rank whose shard has zero rows pads
 an empty tensor, and Inductor simplifies ``cat([empty, zeros])`` to the
@@ -14,6 +14,13 @@ Why custom ops rather than ``aten.cat``: Inductor freely fuses a pointwise
 into the *previous* unit's activation kernel, which delayed the prefetched
 all-gather until after the compute it was meant to overlap. An opaque op is
 an extern kernel that Inductor schedules where the graph puts it.
+
+Why the all-gather copy-out is one op: as traced ops (a strided slice, then a
+clone, per member) Inductor generated one C++ kernel per member, each with its own
+constant offsets, so no two were alike and every one went through the C++ compiler:
+on a 4-layer Llama that doubled the step's kernels and added ~20 s to a cold compile
+(more than the unsharded model's whole C++ compile). One extern op copies every member
+with ``split_with_sizes_copy``, as FSDP2's copy-out does.
 
 Each writes every byte once, zero padding of uneven shards included (the
 traced per-parameter padding ``cat`` is folded in; see
@@ -82,3 +89,20 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], 
 @reduce_scatter_copy_in.register_fake
 def _(grads, padded_numels, world_size):
     return grads[0].new_empty(sum(padded_numels))
+
+
+@torch.library.custom_op("fsdp_compile::all_gather_copy_out", mutates_args=())
+def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], world_size: int) -> list[torch.Tensor]:
+    """The members of a bucketed all-gather's output, each contiguous: ``gathered`` is
+    ``[world_size, sum(padded_numels)]`` flattened (every rank's copy-in, one after
+    the other); member ``i`` is its column block, ``world_size * padded_numels[i]``
+    elements (the member's padded full tensor, flattened). One read and one write per byte."""
+    grid = gathered.view(world_size, -1)
+    outs = [gathered.new_empty(world_size * n) for n in padded_numels]
+    torch.split_with_sizes_copy(grid, padded_numels, dim=1, out=[o.view(world_size, n) for o, n in zip(outs, padded_numels)])
+    return outs
+
+
+@all_gather_copy_out.register_fake
+def _(gathered, padded_numels, world_size):
+    return [gathered.new_empty(world_size * n) for n in padded_numels]

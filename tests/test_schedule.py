@@ -196,7 +196,11 @@ def test_prefetch_hints(pool2):
     hints = {"forward": {0: [1, 2]}, "backward": {3: [2, 1]}}
     s = _schedule(pool2, prefetch=hints, prefetch_depth=0)[0]
     l0, l1, l2, l3 = _of(s["forward"], "all_gather")
-    assert l1.issue_line < l0.wait_line and l2.issue_line < l0.wait_line
+    # Both issued before layer 0's compute (one addmm and one relu kernel per layer): layer 1's
+    # gather overlaps layer 0's two kernels, layer 2's those of layers 0 and 1.
+    assert l0.compute_between == [] and l1.issue_line < l0.wait_line
+    assert len(l1.compute_between) == 2 and len(l2.compute_between) == 4, (l1, l2)
+    assert l2.compute_between[:2] == l1.compute_between
     assert l3.issue_line > l2.wait_line  # not hinted: gathered when needed
     b3, b2, b1 = _of(s["backward"], "all_gather")  # layer 0's weight is not needed
     # Issued while layer 3's backward runs: layer 3's compute is in flight with both.
