@@ -251,6 +251,29 @@ def test_padding_is_folded_into_the_copy_in():
         assert all(src.op == "placeholder" or c.kind == "reduce_scatter" for src in c.input.args[0])
 
 
+def test_all_gather_copy_out_takes_each_members_column_block():
+    """The bucket copy-out op: member ``i`` of ``[world_size, sum(numels)]`` is its column
+    block, contiguous, each rank's rows in rank order (its padded full tensor)."""
+    numels, world_size = [6, 2, 4], 3
+    gathered = torch.arange(world_size * sum(numels), dtype=torch.float32)
+    outs = torch.ops.fsdp_compile.all_gather_copy_out(gathered, numels, world_size)
+    grid, offset = gathered.view(world_size, -1), 0
+    for out, numel in zip(outs, numels):
+        assert out.is_contiguous() and out.shape == (world_size * numel,)
+        torch.testing.assert_close(out, grid[:, offset : offset + numel].reshape(-1), rtol=0, atol=0)
+        offset += numel
+
+
+def test_bucketed_all_gather_copies_out_with_one_op():
+    """A merged all-gather's members come from one copy-out op (not a traced slice and
+    clone each: those compiled to one C++ kernel per member)."""
+    gm, _ = build_unit_graph(2, 1, "0", N_UNITS)
+    bucket_collectives(gm.graph)
+    copy_outs = [n for n in gm.graph.nodes if n.target is torch.ops.fsdp_compile.all_gather_copy_out.default]
+    assert len(copy_outs) == N_UNITS
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+
+
 def test_mixed_dtypes_get_separate_buckets():
     gm, _ = build_unit_graph(2, 0, "0", N_UNITS, bias_dtype=torch.float64)
     buckets = bucket_collectives(gm.graph)
