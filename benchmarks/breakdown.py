@@ -25,8 +25,8 @@ slower step than the median):
 - *forward graph* / *backward graph*: time inside the compiled forward
   (``CompiledFunction``) and backward (``CompiledFunctionBackward``);
 - of which *waits* (``wait_tensor``), *collective issue* (the functional
-  collectives' own calls) and *copy-ins* (our ``fsdp_compile::*copy_in`` and
-  ``pad_dim0`` ops; copy-outs are fused into Inductor kernels and counted as compute);
+  collectives' own calls) and *bucket copies* (our ``fsdp_compile::*copy_in``,
+  ``all_gather_copy_out`` and ``pad_dim0`` ops);
 - *optimizer*: ``step()`` and ``zero_grad()``; of which *DTensor dispatch*
   (``PythonSubclass`` events: the optimizer's foreach ops run per DTensor);
 - *outside*: the rest of the step (Python between graphs, Dynamo's guards, the
@@ -45,7 +45,7 @@ COLUMNS = (
     "backward graph",
     "waits",
     "collective issue",
-    "copy-ins",
+    "bucket copies",
     "optimizer",
     "DTensor dispatch",
     "outside",
@@ -62,7 +62,7 @@ CATEGORIES = {
     "backward graph": lambda n: n == "CompiledFunctionBackward",
     "waits": _is_wait,
     "collective issue": lambda n: n.startswith("_c10d_functional::") and not _is_wait(n),
-    "copy-ins": lambda n: n.startswith("fsdp_compile::") and ("copy_in" in n or n.endswith("pad_dim0")),
+    "bucket copies": lambda n: n.startswith("fsdp_compile::") and ("copy_in" in n or "copy_out" in n or n.endswith("pad_dim0")),
     "optimizer": lambda n: n.startswith(("Optimizer.step#", "Optimizer.zero_grad#")),
     "DTensor dispatch": lambda n: n == "PythonSubclass",
 }
