@@ -53,7 +53,7 @@ BENCHMARKS = [
 ]
 QUICK_ARGS = {
     "step_time": ["--quick"],
-    "breakdown": ["--quick"],
+    "breakdown": ["--quick", "--model", "hf-llama"],  # step_time --quick covers our Llama
     "shaped_link": ["--quick", "--rates", "1gbit"],
     "memory": ["--quick"],
     "comm_volume": ["--quick"],

@@ -29,6 +29,8 @@ import contextlib
 import logging
 from typing import Callable
 
+from benchmarks import _models
+
 
 def unavailable_reason() -> str | None:
     """``None`` when the peers can run here, else why not (one sentence, no full stop)."""
@@ -141,12 +143,6 @@ def manual_bucketing(gm, plans, *, insert_overlap_deps: bool = False):
     return gm
 
 
-def transformer_block_plans(model) -> list:
-    """torchtitan's ``get_transformer_block_buckets`` for our Llama: the embedding,
-    one bucket per decoder layer, and the final norm with the output projection."""
-    return ["tok_embeddings", *(f"layers.{i}" for i in range(len(model.layers))), ["norm", "output"]]
-
-
 def _has_waits(graph) -> bool:
     import torch
 
@@ -180,13 +176,13 @@ _TORCHTITAN_OPTIONS = {
 def inductor_options(pass_name: str, model=None) -> dict:
     """Options for ``torch._inductor.config.patch`` while a peer compiles.
 
-    ``"manual"``: ``manual_overlap_bucketing`` with :func:`transformer_block_plans`
+    ``"manual"``: ``manual_overlap_bucketing`` with ``benchmarks._models.bucket_plans``
     as the (only) post-grad custom pass, as torchtitan's inductor backend does.
     ``"auto"``: Inductor's overlap scheduling with collective bucketing
     (``aten_distributed_optimizations``), analytical estimates (the default,
     ``"benchmark"``, times kernels on a GPU): on CPU its compute estimates are 0."""
     if pass_name == "manual":
-        return {"post_grad_custom_post_pass": _manual_pass(transformer_block_plans(model)), **_TORCHTITAN_OPTIONS}
+        return {"post_grad_custom_post_pass": _manual_pass(_models.bucket_plans(model)), **_TORCHTITAN_OPTIONS}
     if pass_name == "auto":
         return {
             "aten_distributed_optimizations.enable_overlap_scheduling": True,

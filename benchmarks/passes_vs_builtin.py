@@ -43,7 +43,7 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
     import torch.fx as fx
     import torch.nn.functional as F
 
-    from benchmarks import _peers
+    from benchmarks import _models
     from fsdp_compile import config, fully_shard
     from fsdp_compile._compat import register_fake_process_group
     from fsdp_compile.passes.schedule import copy_graph
@@ -53,7 +53,7 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
     dist.init_process_group("fake", rank=0, world_size=world_size)
     cfg = LlamaConfig(vocab_size=2048, dim=dim, n_layers=layers, n_heads=8, ffn_dim=dim * 8 // 3, max_seq_len=seq)
     model = Llama(cfg)
-    plans = _peers.transformer_block_plans(model)  # SimpleFSDP's buckets: one per decoder layer
+    plans = _models.bucket_plans(model)  # SimpleFSDP's buckets: one per decoder layer
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)

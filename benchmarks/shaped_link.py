@@ -200,7 +200,7 @@ def worker(args) -> None:
 
 def _launch(pair: _netns.VethPair, args, out: Path, logdir: Path) -> dict:
     """Both ranks in their namespaces; rank 0's result."""
-    forward = ["--layers", args.layers, "--dim", args.dim, "--vocab", args.vocab, "--seq", args.seq]
+    forward = ["--model", args.model, "--layers", args.layers, "--dim", args.dim, "--vocab", args.vocab, "--seq", args.seq]
     forward += ["--batch", args.batch, "--steps", args.steps, "--setups", ",".join(args.setups), "--reps", args.reps]
     forward += ["--timeout", args.timeout]
     procs, logs = [], []

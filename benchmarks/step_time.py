@@ -1,15 +1,16 @@
 """Step time on 2 CPU ranks (gloo, loopback): ours vs torch FSDP2, eager and compiled,
 against a compute-only run of the same setups on one rank.
 
-    python -m benchmarks.step_time [--quick] [--layers 8] [--dim 512] [--vocab 16384]
-                                   [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
+    python -m benchmarks.step_time [--quick] [--model llama|hf-llama] [--layers 8] [--dim 512]
+                                   [--vocab 16384] [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
                                    [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
                                              ours-compiled-nopasses,ours-compiled,
                                              ours-compiled-noreshard,simplefsdp-manual,
                                              simplefsdp-manual-noreshard,simplefsdp-auto]
 
-A Llama-style model (tied embeddings), one unit per decoder layer plus the root,
-AdamW, fp32. Five setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
+A Llama-style model (tied embeddings; ``--model hf-llama``: a ``transformers``
+``LlamaForCausalLM`` of the same shapes, see ``benchmarks/_models.py``), one unit per
+decoder layer plus the root, AdamW, fp32. Five setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
 ours compiled with our passes off (``config.patch(bucketing=False, reorder=False)``)
 and ours compiled; each reshards the decoder layers after forward (FSDP2's default:
 ``reshard_after_forward=True`` for the layers, the root keeps its parameters).
@@ -82,6 +83,7 @@ import os
 import statistics
 import time
 
+from benchmarks import _models
 from benchmarks._common import benchmark_parser, table_header
 
 # id (for --setups) -> (label, implementation, compiled, fsdp_compile.config changes)
@@ -120,6 +122,7 @@ def add_model_args(p: argparse.ArgumentParser, setups: list[str] | None = None) 
     """Model/step flags shared with ``benchmarks.shaped_link`` (unset ones come from FULL or QUICK);
     ``setups``: the default of ``--setups`` (``BASE_SETUPS`` if None)."""
     setups = BASE_SETUPS if setups is None else setups
+    p.add_argument("--model", default="llama", choices=_models.FAMILIES, help="model family (default llama)")
     for flag in FULL:
         p.add_argument(f"--{flag}", type=int, default=None, help=f"default {FULL[flag]} ({QUICK[flag]} with --quick)")
     p.add_argument("--setups", default=",".join(setups), help="comma-separated subset of: " + ", ".join(SETUPS))
@@ -163,21 +166,14 @@ def resolve(args) -> argparse.Namespace:
 
 
 def model_kwargs(args) -> dict:
-    """``LlamaConfig`` arguments for ``args``."""
-    return dict(
-        vocab_size=args.vocab,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=max(2, args.dim // 64),
-        ffn_dim=args.dim * 8 // 3,
-        max_seq_len=args.seq,
-    )
+    """The model's description for ``args`` (``benchmarks._models.spec``)."""
+    return _models.spec(getattr(args, "model", "llama"), vocab=args.vocab, dim=args.dim, layers=args.layers, seq=args.seq)
 
 
 def describe(args, n_params: int) -> str:
+    name, shapes = _models.describe(model_kwargs(args)).split(" (", 1)
     return (
-        f"Llama-style, {n_params / 1e6:.1f}M parameters ({args.layers} layers, dim {args.dim}, "
-        f"vocab {args.vocab}), seq {args.seq}, batch {args.batch}/rank, fp32, AdamW, "
+        f"{name}, {n_params / 1e6:.1f}M parameters ({shapes}, seq {args.seq}, batch {args.batch}/rank, fp32, AdamW, "
         f"setups interleaved step by step, {args.steps} timed steps each"
     )
 
@@ -219,21 +215,8 @@ def gloo_collectives(prof) -> list[tuple[str, int, str]]:
     return out
 
 
-def _own_frame_llama():
-    """``Llama`` with a forward of its own code object: Dynamo caches compiled frames
-    per code object, and the other setups' compiled ``Llama.forward`` frames (FSDP2's,
-    with its graph breaks) made the unsharded model recompile in the timed steps."""
-    from fsdp_compile.testing.models import Llama
-
-    class OwnFrameLlama(Llama):
-        def forward(self, *args, **kwargs):
-            return super().forward(*args, **kwargs)
-
-    return OwnFrameLlama
-
-
 def measure(
-    model_cfg: dict,
+    model_spec: dict,
     seq: int,
     batch: int,
     steps: int,
@@ -262,15 +245,12 @@ def measure(
 
     from fsdp_compile import config
     from fsdp_compile import fully_shard as ours_fully_shard
-    from fsdp_compile.testing.models import Llama, LlamaConfig
 
     # Each setup compiles its own model instance; Dynamo sees another instance of the
     # same forward code as a recompile of that frame, and fsdp_compile warns about it.
     warnings.filterwarnings("ignore", message="fsdp_compile: recompiling")
     torch._dynamo.config.cache_size_limit = 64
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = LlamaConfig(**model_cfg)
-    _OwnFrameLlama = _own_frame_llama()
 
     # (setup id, local): local = the compute-only copy on this rank's own 1-rank group.
     variants = [(name, False) for name in setups]
@@ -280,6 +260,7 @@ def measure(
         groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
         local_mesh = DeviceMesh.from_group(groups[rank], "cpu")
     built = {}
+    prefix = _models.block_prefix(model_spec)
     world_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu") if any(SETUPS[n][1] == "simplefsdp" for n in setups) else None
     for key in variants:
         name, local = key
@@ -290,29 +271,29 @@ def measure(
             # default group; on per-rank groups the group names differ by design.
             changes = dict(changes, check_collective_consistency=False)
         torch.manual_seed(0)
-        model = Llama(cfg) if kind != "unsharded" else _OwnFrameLlama(cfg)
+        model = _models.build(model_spec, own_frame=kind == "unsharded")
         inductor_changes = {}
         if kind == "unsharded":
             pass  # each rank trains its own replica on its local batch: no communication
         elif kind == "simplefsdp":
             from benchmarks import _peers
 
-            _peers.simple_fsdp(model, local_mesh if local else world_mesh, lambda fqn: reshard and fqn.startswith("layers."))
+            _peers.simple_fsdp(model, local_mesh if local else world_mesh, lambda fqn: reshard and fqn.startswith(prefix))
             if peer_pass:
                 inductor_changes = _peers.inductor_options(peer_pass, model)
         else:
             shard = ours_fully_shard if kind == "ours" else fsdp2_fully_shard
             mesh = {"mesh": local_mesh} if local else {}
-            for layer in model.layers:
+            for layer in _models.blocks(model):
                 shard(layer, **mesh, **({} if reshard else {"reshard_after_forward": False}))
             shard(model, **mesh)
         stats = {"graphs": 0, "calls": 0}
         run_fn = torch.compile(model, backend=counting_inductor(stats)) if compiled else model
         built[key] = (run_fn, torch.optim.AdamW(model.parameters(), lr=1e-4), changes, stats, inductor_changes)
-    n_params = sum(p.numel() for p in Llama(cfg).parameters())
+    n_params = sum(p.numel() for p in _models.build(model_spec).parameters())
 
     gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
+    tokens = torch.randint(0, model_spec["vocab"], (batch, seq + 1), generator=gen)
 
     def train_step(key) -> None:
         run_fn, opt, changes, _, inductor_changes = built[key]
