@@ -267,6 +267,9 @@ def fully_shard(
             to the mesh's device right before its all-gather.
         ignored_params: parameters left unsharded and unmanaged.
     """
+    from fsdp_compile.passes.registration import install_passes
+
+    install_passes()  # again: torch._dynamo.reset() forgets part of it (see install_passes)
     return _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, shard=True)
 
 

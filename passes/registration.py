@@ -31,6 +31,7 @@ from fsdp_compile._compat import (
     get_post_grad_custom_post_pass,
     hash_of_files,
     make_graph_cache_keys_stable,
+    watch_dynamo_frame_compiles,
     set_joint_custom_pass,
     set_post_grad_custom_post_pass,
 )
@@ -92,23 +93,54 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     _record_pass_time(graph, "post_grad", start)
 
 
-_graph_breaks_seen: dict[str, int] = {}
+#: Dynamo's graph-break counts (it counts per process, by reason) when the frame now
+#: being compiled started; ``None`` while no frame is (a backward compiled lazily).
+_breaks_at_frame_start: dict[str, int] | None = None
+#: The counts when :func:`_warn_if_graph_break` last looked.
+_breaks_last_seen: dict[str, int] = {}
+
+
+def _frame_compile_started() -> None:
+    global _breaks_at_frame_start
+    _breaks_at_frame_start = dynamo_graph_break_counts()
+
+
+def _frame_compile_ended() -> None:
+    global _breaks_at_frame_start
+    _breaks_at_frame_start = None
+
+
+def watch_frame_compiles() -> bool:
+    """Idempotent: know where each Dynamo frame compile starts (``torch._dynamo.reset()``
+    forgets it); returns whether it was known already."""
+    return watch_dynamo_frame_compiles(_frame_compile_started, _frame_compile_ended)
 
 
 def _warn_if_graph_break(graph: fx.Graph) -> None:
-    """Dynamo broke a graph while tracing a frame that runs sharded units: name them."""
-    units = units_in(graph)
-    if not units:
-        return  # reasons stay pending until a graph that gathers something compiles
+    """Dynamo broke the frame it is compiling, and this graph of that frame runs sharded
+    units: name them. Only breaks counted since this frame's compile started are its own
+    (not another model's, e.g. FSDP2's disabled hooks in a model compiled earlier);
+    each is reported once. Right after ``torch._dynamo.reset()`` (which drops the
+    watch on frame compiles) the breaks since the last look stand in, this once."""
+    global _breaks_at_frame_start, _breaks_last_seen
+    if not units_in(graph):
+        return
     counts = dynamo_graph_break_counts()
-    new = [reason for reason, n in counts.items() if n > _graph_breaks_seen.get(reason, 0)]
-    _graph_breaks_seen.update(counts)
+    if watch_frame_compiles():
+        if _breaks_at_frame_start is None:
+            return  # a lazily compiled backward: its forward's graph reported the frame
+        since = _breaks_at_frame_start
+        _breaks_at_frame_start = counts
+    else:
+        since = _breaks_last_seen
+    _breaks_last_seen = counts
+    new = [reason for reason, n in counts.items() if n > since.get(reason, 0)]
     if not new:
         return
     reasons = "; ".join(r.strip().splitlines()[0][:160] for r in new)
     warnings.warn(
         f"fsdp_compile: graph break in a compiled frame that runs the sharded unit(s) "
-        f"{', '.join(repr(u or '(root)') for u in units)} ({reasons}). Collectives on either side "
+        f"{', '.join(repr(u or '(root)') for u in units_in(graph))} ({reasons}). Collectives on either side "
         "of a break cannot be bucketed or overlapped together. TORCH_LOGS=graph_breaks shows where; "
         "fsdp_compile.debug.dump(DIR) writes each graph and its collectives.",
         stacklevel=2,
@@ -169,8 +201,11 @@ _POST_GRAD_PASS = FSDPPostGradPass()
 
 def install_passes() -> None:
     """Idempotent: make sure each of our passes is in its chain exactly once (and that
-    graphs with DTensor parameters get the same Inductor cache key in every process)."""
+    graphs with DTensor parameters get the same Inductor cache key in every process).
+    Runs at import and at every ``fully_shard``: ``torch._dynamo.reset()`` drops the
+    watch on frame compiles that attributes graph breaks to the frame that broke."""
     make_graph_cache_keys_stable()
+    watch_frame_compiles()
     current = get_joint_custom_pass()
     if not isinstance(current, _ChainedJointPass):
         set_joint_custom_pass(_ChainedJointPass(current))

@@ -115,6 +115,34 @@ def _recompile_a_graph_of_units() -> None:
     compiled(torch.randn(3, 4))  # eval + new batch size: more recompiles
 
 
+def warnings_after_another_models_break() -> tuple[int, list[str]]:
+    """Dynamo's graph breaks while torch's FSDP2 model compiles (its hooks are
+    ``torch._dynamo.disable``d), then our warnings while our sharded model, which does
+    not break, compiles in the same process."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile._compat import dynamo_graph_break_counts
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    before = sum(dynamo_graph_break_counts().values())
+    theirs = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    fsdp2_fully_shard(theirs[0])
+    fsdp2_fully_shard(theirs)
+    torch.compile(theirs, backend="aot_eager")(torch.randn(2, 4)).sum().backward()
+    their_breaks = sum(dynamo_graph_break_counts().values()) - before
+    ours = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    fully_shard(ours[0])
+    fully_shard(ours)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(ours, backend="aot_eager")(torch.randn(2, 4)).sum().backward()
+    return their_breaks, [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]
+
+
 def warnings_from_break_and_recompile() -> list[str]:
     return _our_warnings_from_a_step(BreaksInsideAUnit, then=_recompile_a_graph_of_units)
 
@@ -235,6 +263,14 @@ def test_graph_break_and_recompile_warnings_name_the_unit(pool2):
     assert any("unit 'b'" in m and "'b.weight'" in m for m in eager), eager
     recompiles = [m for m in messages if "recompiling a graph" in m]
     assert recompiles and "TORCH_LOGS=recompiles" in recompiles[0]
+
+
+def test_another_models_graph_break_is_not_blamed_on_our_units(pool2):
+    """Dynamo counts graph breaks per process: a break in a model compiled earlier
+    (here FSDP2's) is not reported against a later sharded model that has none."""
+    their_breaks, messages = pool2.run(warnings_after_another_models_break)[0]
+    assert their_breaks > 0  # the earlier model did break
+    assert not [m for m in messages if "graph break" in m], messages
 
 
 def test_group_labels_do_not_outlive_their_process_group():
