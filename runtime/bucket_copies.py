@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_compile._compat import chunk_cat
+
 
 @torch.library.custom_op("fsdp_compile::pad_dim0", mutates_args=())
 def pad_dim0(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -49,15 +51,13 @@ def _(t, rows):
 @torch.library.custom_op("fsdp_compile::all_gather_copy_in", mutates_args=())
 def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int]) -> torch.Tensor:
     """The all-gather input: each member's local shard, zero-padded to its padded
-    size, back to back. One write per byte (the padding folded in)."""
-    out = shards[0].new_empty(sum(padded_numels))
-    offset = 0
+    size, back to back. One write per byte (the padding folded in), with one ``cat``."""
+    pieces = []
     for shard, padded in zip(shards, padded_numels):
-        n = shard.numel()
-        out[offset : offset + n].copy_(shard.reshape(-1))
-        out[offset + n : offset + padded].zero_()
-        offset += padded
-    return out
+        pieces.append(shard.reshape(-1))
+        if padded > shard.numel():
+            pieces.append(shard.new_zeros(padded - shard.numel()))
+    return torch.cat(pieces)
 
 
 @all_gather_copy_in.register_fake
@@ -71,6 +71,9 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], 
     where member ``i``'s columns hold its full gradient zero-padded to ``padded_i``
     elements (so rank ``r``'s shards of every member are contiguous). One write per byte."""
     widths = [p // world_size for p in padded_numels]
+    if all(grad.dim() > 0 and grad.numel() > 0 and _chunked_width(grad, world_size) == width for grad, width in zip(grads, widths)):
+        # The layout is torch.chunk's along dim 0: one op (FSDP2's copy-in).
+        return chunk_cat(grads, 0, world_size).reshape(-1)
     out = grads[0].new_empty(world_size, sum(widths))
     offset = 0
     for grad, width in zip(grads, widths):
@@ -84,6 +87,12 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], 
             block[full_rows + 1 :].zero_()
         offset += width
     return out.reshape(-1)
+
+
+def _chunked_width(grad: torch.Tensor, world_size: int) -> int:
+    """Elements of one ``torch.chunk`` block of ``grad`` along dim 0 (the first, padded)."""
+    rows_per_rank = -(-grad.shape[0] // world_size)
+    return rows_per_rank * (grad.numel() // grad.shape[0])
 
 
 @reduce_scatter_copy_in.register_fake
