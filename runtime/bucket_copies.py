@@ -51,7 +51,7 @@ def _(t, rows):
 @torch.library.custom_op("fsdp_compile::all_gather_copy_in", mutates_args=())
 def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int]) -> torch.Tensor:
     """The all-gather input: each member's local shard, zero-padded to its padded
-    size, back to back. One write per byte (the padding folded in), with one ``cat``."""
+    size, back to back: one ``cat`` (a member's padding is a piece of zeros)."""
     pieces = []
     for shard, padded in zip(shards, padded_numels):
         pieces.append(shard.reshape(-1))
