@@ -31,9 +31,9 @@ from fsdp_compile._compat import (
     get_post_grad_custom_post_pass,
     hash_of_files,
     make_graph_cache_keys_stable,
-    watch_dynamo_frame_compiles,
     set_joint_custom_pass,
     set_post_grad_custom_post_pass,
+    watch_dynamo_frame_compiles,
 )
 from fsdp_compile import debug
 from fsdp_compile.passes.checkpointing import save_random_ops_in_checkpointed_regions
@@ -123,7 +123,8 @@ def _warn_if_graph_break(graph: fx.Graph) -> None:
     each is reported once. Right after ``torch._dynamo.reset()`` (which drops the
     watch on frame compiles) the breaks since the last look stand in, this once."""
     global _breaks_at_frame_start, _breaks_last_seen
-    if not units_in(graph):
+    units = units_in(graph)
+    if not units:
         return
     counts = dynamo_graph_break_counts()
     if watch_frame_compiles():
@@ -140,7 +141,7 @@ def _warn_if_graph_break(graph: fx.Graph) -> None:
     reasons = "; ".join(r.strip().splitlines()[0][:160] for r in new)
     warnings.warn(
         f"fsdp_compile: graph break in a compiled frame that runs the sharded unit(s) "
-        f"{', '.join(repr(u or '(root)') for u in units_in(graph))} ({reasons}). Collectives on either side "
+        f"{', '.join(repr(u or '(root)') for u in units)} ({reasons}). Collectives on either side "
         "of a break cannot be bucketed or overlapped together. TORCH_LOGS=graph_breaks shows where; "
         "fsdp_compile.debug.dump(DIR) writes each graph and its collectives.",
         stacklevel=2,
