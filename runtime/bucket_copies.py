@@ -77,6 +77,8 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], 
     out = grads[0].new_empty(world_size, sum(widths))
     offset = 0
     for grad, width in zip(grads, widths):
+        if width == 0:
+            continue  # a member without elements
         flat = grad.reshape(-1)
         block = out[:, offset : offset + width]
         full_rows, rest = divmod(flat.numel(), width)

@@ -264,6 +264,38 @@ def test_all_gather_copy_out_takes_each_members_column_block():
         offset += numel
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_copy_ins_lay_out_each_ranks_padded_shards(world_size):
+    """The copy-in ops against the layout built by hand from ``ShardLayout``: rank ``r``'s
+    block of the reduce-scatter input holds every member's ``torch.chunk`` shard ``r``,
+    zero-padded (fewer rows than ranks, uneven rows, 1-D and 3-D members); the
+    all-gather input is the local shards, each zero-padded, back to back."""
+    from fsdp_compile.runtime.collectives import ShardLayout
+
+    shapes = [(5, 3), (7,), (1, 4), (16, 2, 3), (world_size, 2)]
+    grads = [torch.randn(shape) for shape in shapes]
+    layouts = [[ShardLayout(shape, world_size, r, "g") for shape in shapes] for r in range(world_size)]
+    widths = [layout.padded_numel for layout in layouts[0]]
+
+    def padded_shard(grad, layout):
+        block = torch.zeros(layout.padded_local_shape)
+        start = layout.rank * layout.rows_per_rank
+        block[: layout.local_rows] = grad[start : start + layout.local_rows]
+        return block.reshape(-1)
+
+    expected = torch.cat([padded_shard(g, layout) for r in range(world_size) for g, layout in zip(grads, layouts[r])])
+    flat = torch.ops.fsdp_compile.reduce_scatter_copy_in(grads, [w * world_size for w in widths], world_size)
+    torch.testing.assert_close(flat, expected, rtol=0, atol=0)
+    # A member the chunk layout does not cover (no elements) takes the per-member path.
+    empty = torch.ops.fsdp_compile.reduce_scatter_copy_in([grads[0], torch.zeros(0, 3)], [widths[0] * world_size, 0], world_size)
+    torch.testing.assert_close(empty, flat.view(world_size, -1)[:, : widths[0]].reshape(-1), rtol=0, atol=0)
+
+    for r in range(world_size):
+        shards = [g[layout.rank * layout.rows_per_rank :][: layout.local_rows] for g, layout in zip(grads, layouts[r])]
+        copied = torch.ops.fsdp_compile.all_gather_copy_in(shards, widths)
+        torch.testing.assert_close(copied, torch.cat([padded_shard(g, layout) for g, layout in zip(grads, layouts[r])]), rtol=0, atol=0)
+
+
 def test_bucketed_all_gather_copies_out_with_one_op():
     """A merged all-gather's members come from one copy-out op (not a traced slice and
     clone each: those compiled to one C++ kernel per member)."""
