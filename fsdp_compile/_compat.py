@@ -188,34 +188,36 @@ def dynamo_graph_break_counts() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
-_frame_compile_watchers: dict[tuple, tuple] = {}
-
-
 def watch_dynamo_frame_compiles(start: Callable[[], None], end: Callable[[], None]) -> bool:
     """torch/_dynamo/callback.py: call ``start()`` when Dynamo starts compiling a frame and
     ``end()`` when it is done (restarts and the backend's compile of each of the frame's
     graphs included; a backward compiled lazily at its first run is outside). Idempotent;
     returns whether they were already installed (``torch._dynamo.reset()`` removes them)."""
-    from torch._dynamo.callback import CallbackTrigger, callback_handler
+    from torch._dynamo.callback import callback_handler
 
-    key = (start, end)
-    if key not in _frame_compile_watchers:
-
-        def on_start(args) -> None:
-            if args.callback_trigger == CallbackTrigger.DYNAMO:
-                start()
-
-        def on_end(args) -> None:
-            if args.callback_trigger == CallbackTrigger.DYNAMO:
-                end()
-
-        _frame_compile_watchers[key] = (on_start, on_end)
-    on_start, on_end = _frame_compile_watchers[key]
+    on_start, on_end = _frame_compile_callbacks(start, end)
     installed = on_start in callback_handler.start_callbacks
     if not installed:
         callback_handler.register_start_callback(on_start)
         callback_handler.register_end_callback(on_end)
     return installed
+
+
+@functools.cache
+def _frame_compile_callbacks(start: Callable[[], None], end: Callable[[], None]) -> tuple:
+    """Dynamo's start and end callbacks that call ``start`` / ``end`` for frame compiles
+    only (one pair per pair, so that installing is idempotent)."""
+    from torch._dynamo.callback import CallbackTrigger
+
+    def on_start(args) -> None:
+        if args.callback_trigger == CallbackTrigger.DYNAMO:
+            start()
+
+    def on_end(args) -> None:
+        if args.callback_trigger == CallbackTrigger.DYNAMO:
+            end()
+
+    return on_start, on_end
 
 
 def saved_tensors_hooks_active() -> bool:

@@ -69,26 +69,19 @@ def _(shards, padded_numels):
 def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], world_size: int) -> torch.Tensor:
     """The reduce-scatter input: ``[world_size, sum(padded_i / world_size)]`` flattened,
     where member ``i``'s columns hold its full gradient zero-padded to ``padded_i``
-    elements (so rank ``r``'s shards of every member are contiguous). One write per byte."""
-    widths = [p // world_size for p in padded_numels]
-    if all(grad.dim() > 0 and grad.numel() > 0 and _chunked_width(grad, world_size) == width for grad, width in zip(grads, widths)):
-        # The layout is torch.chunk's along dim 0: one op (FSDP2's copy-in).
-        return chunk_cat(grads, 0, world_size).reshape(-1)
-    out = grads[0].new_empty(world_size, sum(widths))
-    offset = 0
-    for grad, width in zip(grads, widths):
-        if width == 0:
-            continue  # a member without elements
-        flat = grad.reshape(-1)
-        block = out[:, offset : offset + width]
-        full_rows, rest = divmod(flat.numel(), width)
-        block[:full_rows].copy_(flat[: full_rows * width].view(full_rows, width))
-        if full_rows < world_size:
-            block[full_rows, :rest].copy_(flat[full_rows * width :])
-            block[full_rows, rest:].zero_()
-            block[full_rows + 1 :].zero_()
-        offset += width
-    return out.reshape(-1)
+    elements (so rank ``r``'s shards of every member are contiguous): ``torch.chunk``'s
+    layout along dim 0 (:class:`~fsdp_compile.runtime.collectives.ShardLayout`'s), so
+    one ``chunk_cat`` (FSDP2's copy-in). Members without elements contribute nothing."""
+    members = [grad for grad, padded in zip(grads, padded_numels) if padded]
+    for grad, padded in zip(grads, padded_numels):
+        if padded and (grad.dim() == 0 or _chunked_width(grad, world_size) * world_size != padded):
+            raise ValueError(
+                f"reduce_scatter_copy_in: a gradient of shape {tuple(grad.shape)} padded to {padded} "
+                f"elements is not torch.chunk's dim-0 layout over {world_size} ranks"
+            )
+    if not members:
+        return grads[0].new_empty(0)
+    return chunk_cat(members, 0, world_size).reshape(-1)
 
 
 def _chunked_width(grad: torch.Tensor, world_size: int) -> int:

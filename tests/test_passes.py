@@ -286,7 +286,7 @@ def test_copy_ins_lay_out_each_ranks_padded_shards(world_size):
     expected = torch.cat([padded_shard(g, layout) for r in range(world_size) for g, layout in zip(grads, layouts[r])])
     flat = torch.ops.fsdp_compile.reduce_scatter_copy_in(grads, [w * world_size for w in widths], world_size)
     torch.testing.assert_close(flat, expected, rtol=0, atol=0)
-    # A member the chunk layout does not cover (no elements) takes the per-member path.
+    # A member without elements contributes nothing.
     empty = torch.ops.fsdp_compile.reduce_scatter_copy_in([grads[0], torch.zeros(0, 3)], [widths[0] * world_size, 0], world_size)
     torch.testing.assert_close(empty, flat.view(world_size, -1)[:, : widths[0]].reshape(-1), rtol=0, atol=0)
 
