@@ -334,6 +334,18 @@ def in_backward_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def running_backward_id() -> int | None:
+    """An id of the backward the autograd engine runs on this thread (``None``: none)."""
+    task = torch._C._current_graph_task_id()
+    return None if task == -1 else task
+
+
+def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward finishes without error
+    (``Variable._execution_engine.queue_callback``, what FSDP2's root post-backward uses)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 def compile_fx_up_to_post_grad():
     """A ``torch.compile`` backend running Inductor's pipeline (decompositions, joint
     passes, partitioner, post-grad passes) but no code generation: the graphs run

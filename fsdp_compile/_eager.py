@@ -6,23 +6,43 @@ is first read, and the reshard pass makes the backward re-gather. Eager runs
 gather a unit when its forward starts, as FSDP2's pre-forward does, and reshard
 after forward with saved-tensor hooks: autograd saves a small handle in place
 of a gathered weight, and backward gathers it again when it unpacks the handle.
-Everything here runs outside Dynamo (``torch.compiler.disable``).
+Both gathers are prefetched, so communication overlaps compute as in a compiled
+step: a forward issues the all-gather of the unit that came next in the last
+forward before it computes its own, and a backward issues the re-gather of the
+unit packed before the one it re-gathers (FSDP2's backward prefetch). Everything
+here runs outside Dynamo (``torch.compiler.disable``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_compile._compat import outside_dispatch_modes, saved_tensors_hooks_active
-from fsdp_compile._fsdp_param import FSDPParam, ParamState, gather_bucket, gather_bucket_without_autograd
+from fsdp_compile import config
+from fsdp_compile._compat import (
+    outside_dispatch_modes,
+    queue_end_of_backward_callback,
+    running_backward_id,
+    saved_tensors_hooks_active,
+)
+from fsdp_compile._fsdp_param import (
+    FSDPParam,
+    ParamState,
+    gather_bucket,
+    gather_bucket_without_autograd,
+    issue_bucket_gather,
+    shard_versions,
+)
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
+from fsdp_compile.runtime.vocabulary import Role
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_state import FSDPUnit
+    from fsdp_compile.runtime.unit_collectives import AllGatherInFlight
 
 
 @torch.compiler.disable
@@ -40,8 +60,10 @@ def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
     forward_context.enter(compiled=inside_compiled_call)
     try:
         gather_unit(unit)
+        if not inside_compiled_call:
+            forward_prefetch.gathered(unit)
     except BaseException:
-        forward_context.exit()
+        post_forward()
         raise
     # Resharding via saved-tensor hooks, unless other hooks already manage saved
     # tensors (activation checkpointing recomputes them anyway).
@@ -57,6 +79,8 @@ def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
 @torch.compiler.disable
 def post_forward() -> None:
     forward_context.exit()
+    if forward_context.depth == 0:
+        forward_prefetch.outermost_returned()
 
 
 cast_output_outside_dynamo = torch.compiler.disable(cast_output)
@@ -74,12 +98,91 @@ def gather_unit(unit: FSDPUnit) -> None:
         # that was never unpacked; reusing it would serve a later backward its stale weight).
         _open_slots.pop(fsdp_param, None)
     for key, bucket in _buckets(to_gather, FSDPParam.bucket_key):
-        if key is None or len(bucket) == 1:
+        prefetched = forward_prefetch.take(bucket) if key is not None else None
+        if prefetched is not None or (key is not None and len(bucket) > 1):
+            gather_bucket(bucket, prefetched)
+        else:
             for fsdp_param in bucket:
                 owner, name = fsdp_param.owner
                 fsdp_param.gather(owner._parameters[name])
-        else:
-            gather_bucket(bucket)
+
+
+def _prefetchable_buckets(unit: FSDPUnit) -> list[list[FSDPParam]]:
+    """The buckets of ``unit`` that can be gathered with one all-gather each, now."""
+    to_gather = [p for p in unit.params if p.state is ParamState.SHARDED and p.owner is not None]
+    return [bucket for key, bucket in _buckets(to_gather, FSDPParam.bucket_key) if key is not None]
+
+
+@dataclass(eq=False)
+class _PrefetchedGather:
+    """A bucket's all-gather issued ahead of its forward, and the shards' versions then."""
+
+    params: tuple[FSDPParam, ...]
+    versions: tuple[int, ...]
+    in_flight: AllGatherInFlight
+
+
+class _ForwardPrefetch:
+    """Eager forward prefetch: while a unit computes, the next unit's all-gather runs.
+
+    "Next" is the unit that came after this one in the last eager forward run from the
+    same outermost unit (kept on it as ``eager_forward_order``), as long as this
+    forward has followed that order so far: every rank runs the same code, so every
+    rank issues the same collectives in the same order. A prefetched gather is used
+    only if its bucket is unchanged and its shards were not written since (version
+    counters); the rest are waited on and dropped when the outermost forward returns,
+    so at most the running unit and the next one are gathered at a time (FSDP2's
+    memory profile with prefetching)."""
+
+    def __init__(self) -> None:
+        self.outermost: FSDPUnit | None = None
+        self.order: list[FSDPUnit] = []
+        self.on_track = False
+        self.in_flight: list[_PrefetchedGather] = []
+
+    def gathered(self, unit: FSDPUnit) -> None:
+        """``unit`` was gathered by an eager forward: record it, and prefetch the next."""
+        if forward_context.depth == 1:
+            self.drop_in_flight()
+            self.outermost, self.order, self.on_track = unit, [], True
+        if self.outermost is None:
+            return
+        self.order.append(unit)
+        last = self.outermost.eager_forward_order
+        position = len(self.order)
+        self.on_track = self.on_track and position <= len(last) and last[position - 1] is unit
+        if self.on_track and position < len(last) and config.prefetch_depth > 0:
+            upcoming = last[position]
+            for bucket in _prefetchable_buckets(upcoming):
+                self.in_flight.append(_PrefetchedGather(tuple(bucket), shard_versions(bucket), issue_bucket_gather(bucket)))
+
+    def take(self, bucket: list[FSDPParam]) -> AllGatherInFlight | None:
+        """The prefetched all-gather of ``bucket`` if there is one and it is still valid."""
+        params = tuple(bucket)
+        for i, prefetched in enumerate(self.in_flight):
+            if prefetched.params == params:
+                del self.in_flight[i]
+                if prefetched.versions == shard_versions(bucket):
+                    return prefetched.in_flight
+                prefetched.in_flight.wait()  # stale: a shard changed after the prefetch
+                return None
+        return None
+
+    def outermost_returned(self) -> None:
+        """The outermost sharded forward returned (or raised): its order is what the next
+        forward from the same unit prefetches by."""
+        if self.outermost is not None:
+            self.outermost.eager_forward_order = self.order
+        self.outermost, self.order = None, []
+        self.drop_in_flight()
+
+    def drop_in_flight(self) -> None:
+        in_flight, self.in_flight = self.in_flight, []
+        for prefetched in in_flight:
+            prefetched.in_flight.wait()
+
+
+forward_prefetch = _ForwardPrefetch()
 
 
 def _buckets(fsdp_params: list[FSDPParam], key_of) -> list[tuple[tuple | None, list[FSDPParam]]]:
@@ -109,25 +212,107 @@ def gather_for_recompute(fsdp_param: FSDPParam) -> torch.Tensor:
 
 def _regather(slot: RegatherSlot) -> None:
     """Fill ``slot.full``, and with the same all-gather every other open slot of its
-    unit that shares its bucket (FSDP2's pre-backward gathers the whole unit)."""
-    fsdp_param = slot.fsdp_param
-    key = fsdp_param.regather_key()
-    bucket = [slot]
-    if key is not None:
-        bucket += [
-            other
-            for other in _open_slots.values()
-            if other is not slot
-            and other.full is None
-            and other.post_forward_shard is None
-            and other.fsdp_param.unit is fsdp_param.unit
-            and other.fsdp_param.regather_key() == key
-        ]
-    if len(bucket) == 1:
-        slot.full = fsdp_param.gather_without_autograd()
+    unit that shares its bucket (FSDP2's pre-backward gathers the whole unit); then
+    prefetch the re-gather of the unit packed before it (FSDP2's backward prefetch)."""
+    if slot.prefetched is not None:
+        slot.prefetched.land()
+    else:
+        bucket = _regather_bucket(slot)
+        if len(bucket) == 1:
+            slot.full = slot.fsdp_param.gather_without_autograd()
+        else:
+            for other, full in zip(bucket, gather_bucket_without_autograd([s.fsdp_param for s in bucket])):
+                other.full = full
+    _prefetch_regather_before(slot)
+
+
+def _needs_regather(slot: RegatherSlot) -> bool:
+    return slot.full is None and slot.post_forward_shard is None and slot.prefetched is None
+
+
+def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
+    """``slot`` and every other open slot of its unit that one all-gather can fill with it."""
+    key = slot.fsdp_param.regather_key()
+    if key is None:
+        return [slot]
+    unit = slot.fsdp_param.unit
+    return [slot] + [
+        other
+        for other in _open_slots.values()
+        if other is not slot
+        and _needs_regather(other)
+        and other.fsdp_param.unit is unit
+        and other.fsdp_param.regather_key() == key
+    ]
+
+
+def _prefetch_regather_before(slot: RegatherSlot) -> None:
+    """Issue the re-gather of the unit whose open slot was packed last before ``slot``
+    (the unit whose backward comes next, when units run one after another), in
+    buckets, without waiting; the end of the backward waits on whatever was not used.
+
+    Every rank packs and unpacks the same saved tensors in the same order, so every
+    rank issues the same collectives in the same order."""
+    earlier = [other for other in _open_slots.values() if other.seq < slot.seq and _needs_regather(other) and other.fsdp_param.unit is not slot.fsdp_param.unit]
+    if not earlier or config.prefetch_depth < 1 or not queue_end_of_backward_callback_once():
         return
-    for other, full in zip(bucket, gather_bucket_without_autograd([s.fsdp_param for s in bucket])):
-        other.full = full
+    unit = max(earlier, key=lambda other: other.seq).fsdp_param.unit
+    for first in [other for other in earlier if other.fsdp_param.unit is unit]:
+        if _needs_regather(first) and first.fsdp_param.regather_key() is not None:
+            _RegatherInFlight.issue(_regather_bucket(first))
+
+
+@dataclass(eq=False)
+class _RegatherInFlight:
+    """A prefetched re-gather: one all-gather that fills ``slots`` once waited on."""
+
+    slots: list[RegatherSlot]
+    in_flight: AllGatherInFlight
+
+    @staticmethod
+    def issue(slots: list[RegatherSlot]) -> None:
+        prefetched = _RegatherInFlight(slots, issue_bucket_gather([s.fsdp_param for s in slots], Role.REGATHER))
+        for s in slots:
+            s.prefetched = prefetched
+        _regathers_in_flight.append(prefetched)
+
+    def land(self) -> None:
+        """Wait, and fill every member slot."""
+        _regathers_in_flight.remove(self)
+        fulls = gather_bucket_without_autograd([s.fsdp_param for s in self.slots], self.in_flight)
+        for s, full in zip(self.slots, fulls):
+            s.full, s.prefetched = full, None
+
+    def drop(self) -> None:
+        """Wait, and fill nothing (the backward ended without using it)."""
+        self.in_flight.wait()
+        for s in self.slots:
+            s.prefetched = None
+
+
+_regathers_in_flight: list[_RegatherInFlight] = []
+_drop_queued_for: int | None = None  # the backward whose end drops them
+
+
+def queue_end_of_backward_callback_once() -> bool:
+    """Make sure the running backward drops its unused prefetched re-gathers when it
+    ends; False outside a backward (nothing is prefetched then). A backward that
+    raised leaves its prefetches to the next one's end."""
+    global _drop_queued_for
+    backward = running_backward_id()
+    if backward is None:
+        return False
+    if _drop_queued_for != backward:
+        queue_end_of_backward_callback(_drop_regathers_in_flight)
+        _drop_queued_for = backward
+    return True
+
+
+def _drop_regathers_in_flight() -> None:
+    global _drop_queued_for
+    _drop_queued_for = None
+    while _regathers_in_flight:
+        _regathers_in_flight.pop().drop()
 
 
 @dataclass
@@ -141,6 +326,10 @@ class RegatherSlot:
     fsdp_param: FSDPParam
     pending: int = 0
     full: torch.Tensor | None = None
+    #: Its re-gather, issued ahead by the backward of the unit after it.
+    prefetched: _RegatherInFlight | None = None
+    #: Creation order (the order the forward packed its first view).
+    seq: int = field(default_factory=itertools.count().__next__)
     #: ``reshard_after_forward=<int>``: the block kept after forward to re-gather from
     #: over the smaller group (``None``: re-gather from the shard).
     post_forward_shard: torch.Tensor | None = None

@@ -31,7 +31,12 @@ from fsdp_compile.runtime.collectives import (
     gather_with_grad_sync,
     post_forward_shard,
 )
-from fsdp_compile.runtime.unit_collectives import all_gather_bucket, bucket_key, gather_bucket_with_grad_sync
+from fsdp_compile.runtime.unit_collectives import (
+    AllGatherInFlight,
+    bucket_key,
+    gather_bucket_with_grad_sync,
+    issue_all_gather_bucket,
+)
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
 if TYPE_CHECKING:
@@ -272,24 +277,44 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def gather_bucket(fsdp_params: list[FSDPParam]) -> None:
+def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None) -> None:
     """Gather ``fsdp_params`` (sharded, of one :meth:`FSDPParam.bucket_key`) with one
     all-gather, with autograd (one reduce-scatter in the backward): eager code's
-    :meth:`FSDPParam.gather` for a bucket."""
+    :meth:`FSDPParam.gather` for a bucket. ``in_flight``: their all-gather, issued
+    ahead by :func:`issue_bucket_gather` (a prefetch) from unchanged shards."""
     first = fsdp_params[0]
     if forward_context.in_broken_graph():
         warn_gathered_in_broken_graph(first)
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
     with fx_annotate(first.spec.tag.as_meta()):
-        fulls = gather_bucket_with_grad_sync(shards, [p.spec for p in fsdp_params])
+        fulls = gather_bucket_with_grad_sync(shards, [p.spec for p in fsdp_params], in_flight)
     for fsdp_param, full in zip(fsdp_params, fulls):
         fsdp_param._note_gathered(full)
 
 
-def gather_bucket_without_autograd(fsdp_params: list[FSDPParam]) -> list[torch.Tensor]:
-    """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :meth:`FSDPParam.regather_key`."""
+def issue_bucket_gather(fsdp_params: list[FSDPParam], role: Role = Role.UNSHARD) -> AllGatherInFlight:
+    """Issue the all-gather of ``fsdp_params`` (sharded, of one bucket key) without
+    waiting for it: eager prefetch, for :func:`gather_bucket` (``Role.UNSHARD``) or
+    :func:`gather_bucket_without_autograd` (``Role.REGATHER``) to wait on later."""
     first = fsdp_params[0]
-    shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
-    with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(Role.REGATHER)):
-        fulls = all_gather_bucket(shards, [p.layout for p in fsdp_params], first.spec.param_dtype)
+    with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(role)):
+        shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
+        return issue_all_gather_bucket(shards, [p.layout for p in fsdp_params], first.spec.param_dtype)
+
+
+def shard_versions(fsdp_params: list[FSDPParam]) -> tuple[int, ...]:
+    """Version counters of the parameters' shards: an in-place update through the
+    parameter (the optimizer) or through its local tensor changes one of them, which
+    makes an all-gather issued before it stale."""
+    with torch.no_grad():
+        return tuple(v for p in fsdp_params for v in (p.sharded_param._version, p.sharded_param.to_local()._version))
+
+
+def gather_bucket_without_autograd(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None) -> list[torch.Tensor]:
+    """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :meth:`FSDPParam.regather_key`;
+    ``in_flight``: its all-gather, issued ahead by :func:`issue_bucket_gather`."""
+    if in_flight is None:
+        in_flight = issue_bucket_gather(fsdp_params, Role.REGATHER)
+    with torch.no_grad():
+        fulls = in_flight.wait()
     return [p._for_compute(full) for p, full in zip(fsdp_params, fulls)]

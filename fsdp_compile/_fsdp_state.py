@@ -101,6 +101,9 @@ class FSDPUnit:
     # reshard_after_forward=<int>: the smaller group a shard is kept over after forward,
     # as (group name, group size, this rank's index in it); see CollectiveTag.reshard_to.
     reshard_to: tuple[str, int, int] | None = None
+    # When this unit's forward was the outermost sharded one: the units the last such eager
+    # forward gathered, in order (what the eager forward prefetch follows; see _eager).
+    eager_forward_order: list[FSDPUnit] = field(default_factory=list, repr=False)
     # Set once a graph break made this unit gather in eager code (warned once per unit).
     warned_eager_gather: bool = field(default=False, repr=False)
 

@@ -40,7 +40,8 @@ bucket_cap_mb: float = 25.0
 #: Post-grad graphs: issue all-gathers early (prefetch) and wait late.
 reorder: bool = True
 
-#: How many all-gather buckets may be issued ahead of the one in use.
+#: How many all-gather buckets may be issued ahead of the one in use. Eager
+#: runs prefetch one unit ahead (forward and backward) unless this is 0.
 prefetch_depth: int = 1
 
 #: How many reduce-scatter buckets may be in flight at once in backward.

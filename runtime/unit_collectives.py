@@ -16,6 +16,8 @@ cast, pre-scale, reduce, cast back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fsdp_compile._compat import c10d_functional, fx_annotate
@@ -42,22 +44,43 @@ def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
     )
 
 
+@dataclass(eq=False)
+class AllGatherInFlight:
+    """A bucket's all-gather, issued and not yet waited on (eager prefetch: the next
+    unit's gather runs while this one computes). :meth:`wait` returns what
+    :func:`all_gather_bucket` returns; every issued all-gather must be waited on once."""
+
+    gathered: torch.Tensor  # the collective's output, written asynchronously
+    layouts: list[ShardLayout]
+
+    def wait(self) -> list[torch.Tensor]:
+        gathered = c10d_functional.wait_tensor(self.gathered)
+        world_size = self.layouts[0].world_size
+        padded = [layout.padded_numel for layout in self.layouts]
+        # Copy-out: one op fills every member's padded full tensor (rank-major rows).
+        padded_fulls = [gathered.new_empty((world_size * layout.rows_per_rank, *layout.full_shape[1:])) for layout in self.layouts]
+        torch.split_with_sizes_copy(gathered.view(world_size, -1), padded, dim=1, out=[t.view(world_size, -1) for t in padded_fulls])
+        return [full[: layout.dim0] for full, layout in zip(padded_fulls, self.layouts)]
+
+
+def issue_all_gather_bucket(
+    shards: list[torch.Tensor], layouts: list[ShardLayout], param_dtype: torch.dtype | None = None
+) -> AllGatherInFlight:
+    """Copy ``shards`` (unpadded local shards, cast to ``param_dtype`` first if given)
+    into one buffer and issue its all-gather over their shared group, without waiting."""
+    if param_dtype is not None:
+        shards = [s.to(param_dtype) for s in shards]
+    flat = all_gather_copy_in([s.contiguous() for s in shards], [layout.padded_numel for layout in layouts])
+    return AllGatherInFlight(c10d_functional.all_gather_into_tensor(flat, layouts[0].world_size, layouts[0].group_name), list(layouts))
+
+
 def all_gather_bucket(
     shards: list[torch.Tensor], layouts: list[ShardLayout], param_dtype: torch.dtype | None = None
 ) -> list[torch.Tensor]:
     """The full tensors (dim 0 first) of ``shards`` (unpadded local shards), cast to
     ``param_dtype`` first if given, with one all-gather over their shared group; each
     output has its own storage."""
-    if param_dtype is not None:
-        shards = [s.to(param_dtype) for s in shards]
-    world_size, group_name = layouts[0].world_size, layouts[0].group_name
-    padded = [layout.padded_numel for layout in layouts]
-    flat = all_gather_copy_in([s.contiguous() for s in shards], padded)
-    gathered = c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(flat, world_size, group_name))
-    # Copy-out: one op fills every member's padded full tensor (rank-major rows).
-    padded_fulls = [gathered.new_empty((world_size * layout.rows_per_rank, *layout.full_shape[1:])) for layout in layouts]
-    torch.split_with_sizes_copy(gathered.view(world_size, -1), padded, dim=1, out=[t.view(world_size, -1) for t in padded_fulls])
-    return [full[: layout.dim0] for full, layout in zip(padded_fulls, layouts)]
+    return issue_all_gather_bucket(shards, layouts, param_dtype).wait()
 
 
 def reduce_scatter_bucket(grads: list[torch.Tensor], layouts: list[ShardLayout], reduce_op: str) -> list[torch.Tensor]:
@@ -87,8 +110,10 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     (gradient sync on; a bucket is never built with it off)."""
 
     @staticmethod
-    def forward(ctx, specs: tuple[CollectiveSpec, ...], *shards):
+    def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, *shards):
         ctx.specs, ctx.shard_dtypes = specs, [s.dtype for s in shards]
+        if in_flight is not None:
+            return tuple(in_flight.wait())
         return tuple(all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype))
 
     @staticmethod
@@ -102,11 +127,15 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
             shards = reduce_scatter_bucket(list(grads), [spec.layout for spec in specs], first.reduce_op)
             for group_name in first.reduce_group_names:
                 shards = _all_reduce_bucket(shards, first.reduce_op, group_name)
-        return (None, *(s.to(dtype) for s, dtype in zip(shards, ctx.shard_dtypes)))
+        return (None, None, *(s.to(dtype) for s, dtype in zip(shards, ctx.shard_dtypes)))
 
 
-def gather_bucket_with_grad_sync(shards: list[torch.Tensor], specs: list[CollectiveSpec]) -> list[torch.Tensor]:
+def gather_bucket_with_grad_sync(
+    shards: list[torch.Tensor], specs: list[CollectiveSpec], in_flight: AllGatherInFlight | None = None
+) -> list[torch.Tensor]:
     """The full tensors (dim 0 first) of ``shards``, whose specs share one
     :func:`bucket_key`, with one all-gather; their gradients are reduced back with
-    one reduce-scatter (see :class:`_GatherBucketWithGradSync`)."""
-    return list(_GatherBucketWithGradSync.apply(tuple(specs), *shards))
+    one reduce-scatter (see :class:`_GatherBucketWithGradSync`). ``in_flight``: the
+    all-gather of these same shards, already issued (a prefetch): it is waited on
+    instead of issuing one."""
+    return list(_GatherBucketWithGradSync.apply(tuple(specs), in_flight, *shards))

@@ -1,0 +1,250 @@
+"""Eager prefetch on 2 gloo ranks: a forward issues the next unit's all-gather before
+the running unit computes, a backward issues the re-gather of the unit before the one
+it re-gathers, and neither changes a single bit of the result (``fsdp_compile._eager``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_compile._eager as eager
+from fsdp_compile import config
+from fsdp_compile.testing import full_parameters
+from fsdp_compile.testing.models import MLPStack
+from tests.models import batch, fully_shard_of, loss_fn
+from tests.models import build as build_model
+
+
+# ---------------------------------------------------------------- on every rank
+
+
+def build(name: str):
+    """``tests.models.build``, and ``mlp_nobias``: units of one parameter each."""
+    if name != "mlp_nobias":
+        return build_model(name)
+    torch.manual_seed(0)
+    model = MLPStack(dim=5, n_layers=3, bias=False)
+    return model, [*model.layers, model]
+
+
+def _data(name: str, step: int):
+    return batch("mlp" if name == "mlp_nobias" else name, step)
+
+
+def _loss(name: str, out, target):
+    return loss_fn("mlp" if name == "mlp_nobias" else name, out, target)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def _unit_name(fqn: str) -> str:
+    return fqn or "root"
+
+
+@contextlib.contextmanager
+def _recording(events: list, model) -> None:
+    """Log, in order: prefetches issued, bucket gathers (and whether a prefetch served
+    them), prefetched re-gathers landing, and each sharded layer's forward finishing
+    and backward reaching its input."""
+    originals = {
+        "issue": eager.issue_bucket_gather,
+        "gather": eager.gather_bucket,
+        "land": eager._RegatherInFlight.land,
+    }
+
+    def issue(fsdp_params, role=eager.Role.UNSHARD):
+        events.append(("issue", _unit_name(fsdp_params[0].unit.fqn), role.name))
+        return originals["issue"](fsdp_params, role)
+
+    def gather(fsdp_params, in_flight=None):
+        events.append(("gather", _unit_name(fsdp_params[0].unit.fqn), in_flight is not None))
+        return originals["gather"](fsdp_params, in_flight)
+
+    def land(self):
+        events.append(("land", _unit_name(self.slots[0].fsdp_param.unit.fqn)))
+        return originals["land"](self)
+
+    handles = [
+        layer.register_forward_hook(lambda mod, args, out, i=i: events.append(("computed", f"layers.{i}")))
+        for i, layer in enumerate(model.layers)
+    ] + [
+        layer.register_full_backward_hook(lambda mod, gin, gout, i=i: events.append(("backward done", f"layers.{i}")))
+        for i, layer in enumerate(model.layers)
+    ]
+    eager.issue_bucket_gather, eager.gather_bucket = issue, gather
+    eager._RegatherInFlight.land = land
+    try:
+        yield
+    finally:
+        eager.issue_bucket_gather, eager.gather_bucket = originals["issue"], originals["gather"]
+        eager._RegatherInFlight.land = originals["land"]
+        for handle in handles:
+            handle.remove()
+
+
+def _train(name: str, steps: int, prefetch_depth: int, events: list | None = None) -> dict:
+    """``steps`` eager AdamW steps of a model sharded per block and at the root;
+    ``events``: filled with every step's events (a list per step)."""
+    model, units = build(name)
+    for unit in units:
+        fully_shard_of("ours")(unit)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    with config.patch(prefetch_depth=prefetch_depth):
+        for step in range(steps):
+            x, y = _data(name, step)
+            step_events: list = []
+            with _recording(step_events, model) if events is not None else contextlib.nullcontext():
+                loss = _loss(name, model(_local(x)), _local(y))
+                loss.backward()
+            # Nothing prefetched is left in flight once a step's backward is done.
+            assert not eager.forward_prefetch.in_flight and not eager._regathers_in_flight
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if events is not None:
+                events.append(step_events)
+    return {"losses": losses, "params": full_parameters(model)}
+
+
+def prefetch_trace(name: str) -> tuple[list, int]:
+    events: list = []
+    _train(name, 2, 1, events)
+    return events, len(build(name)[0].layers)
+
+
+def prefetched_and_not(name: str) -> dict:
+    return {depth: _train(name, 3, depth) for depth in (1, 0)}
+
+
+def _scale_layer_1_after_layer_0_prefetched_it(model, scale: list) -> None:
+    """A forward hook on layer 0 (which runs after layer 1's all-gather was prefetched)
+    that scales layer 1's sharded parameters in place, once."""
+    params = [p for n, p in model.named_parameters() if n.startswith("layers.1.")]
+
+    def hook(mod, args, out):
+        if scale:
+            factor = scale.pop()
+            with torch.no_grad():
+                for p in params:
+                    p.mul_(factor)
+    return model.layers[0].register_forward_hook(hook)
+
+
+def write_after_prefetch(name: str) -> dict:
+    """Step 2 writes layer 1's shards after their all-gather was prefetched (inside layer
+    0's forward); the same write made before the forward must give the same step."""
+    out = {}
+    for where in ("after prefetch", "before forward"):
+        model, units = build(name)
+        for unit in units:
+            fully_shard_of("ours")(unit)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            scale = [0.5] if step == 1 else []
+            if where == "before forward" and scale:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        if n.startswith("layers.1."):
+                            p.mul_(scale[0])
+                scale = []
+            handle = _scale_layer_1_after_layer_0_prefetched_it(model, scale)
+            x, y = _data(name, step)
+            loss = _loss(name, model(_local(x)), _local(y))
+            handle.remove()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        out[where] = {"losses": losses, "params": full_parameters(model)}
+    return out
+
+
+def skipped_unit(name: str) -> dict:
+    """Step 2 skips layer 1 inside the root's forward (its prefetched all-gather goes
+    unused), step 3 runs it again; against the same steps without prefetching."""
+
+    def run(depth: int) -> dict:
+        model, units = build(name)
+        for unit in units:
+            fully_shard_of("ours")(unit)
+        layers = list(model.layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        with config.patch(prefetch_depth=depth):
+            for step in range(3):
+                model.layers = torch.nn.ModuleList(m for i, m in enumerate(layers) if step != 1 or i != 1)
+                x, y = _data(name, step)
+                loss = _loss(name, model(_local(x)), _local(y))
+                loss.backward()
+                assert not eager.forward_prefetch.in_flight and not eager._regathers_in_flight
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        model.layers = torch.nn.ModuleList(layers)
+        return {"losses": losses, "params": full_parameters(model)}
+
+    return {depth: run(depth) for depth in (1, 0)}
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    for la, lb in zip(a["losses"], b["losses"]):
+        assert torch.equal(la, lb), (la, lb)
+    assert a["params"].keys() == b["params"].keys()
+    for key in a["params"]:
+        assert torch.equal(a["params"][key], b["params"][key]), key
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_nobias", "llama"])
+def test_forward_prefetches_the_next_unit_and_backward_the_previous(pool2, name):
+    events, n_layers = pool2.run(prefetch_trace, name)[0]
+    first, second = events
+    layers = [f"layers.{i}" for i in range(n_layers)]
+
+    # The first forward has no order to follow: every unit gathers when it runs.
+    assert not [e for e in first if e[0] == "issue" and e[2] == "UNSHARD"]
+    assert all(not e[2] for e in first if e[0] == "gather")
+    # The second forward: each layer's gather was issued before the unit before it computed.
+    for i, layer in enumerate(layers):
+        assert ("gather", layer, True) in second, layer
+        issued = second.index(("issue", layer, "UNSHARD"))
+        if i > 0:
+            assert issued < second.index(("computed", layers[i - 1])), (layer, second)
+    # Backward: the last layer re-gathers on its own; each earlier one's re-gather is issued
+    # before the backward of the layer after it is done, and lands when its own starts.
+    # (The MLP's first layer saves no weight: its input needs no gradient.)
+    mlp = name.startswith("mlp")
+    regathered = range(1 if mlp else 0, n_layers - 1)
+    for events_of_step in (first, second):
+        assert ("land", layers[-1]) not in events_of_step
+        if mlp:
+            assert ("issue", layers[0], "REGATHER") not in events_of_step
+        for i in regathered:
+            issued = events_of_step.index(("issue", layers[i], "REGATHER"))
+            assert issued < events_of_step.index(("backward done", layers[i + 1])), (layers[i], events_of_step)
+            assert events_of_step.index(("land", layers[i])) > issued
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_nobias", "llama"])
+def test_prefetching_changes_no_bit(pool2, name):
+    for rank_result in pool2.run(prefetched_and_not, name):
+        _assert_bitwise(rank_result[1], rank_result[0])
+
+
+def test_a_shard_written_after_its_prefetch_is_gathered_again(pool2):
+    for rank_result in pool2.run(write_after_prefetch, "mlp"):
+        _assert_bitwise(rank_result["after prefetch"], rank_result["before forward"])
+
+
+def test_a_unit_skipped_after_its_prefetch_changes_nothing(pool2):
+    for rank_result in pool2.run(skipped_unit, "mlp"):
+        _assert_bitwise(rank_result[1], rank_result[0])
