@@ -92,7 +92,7 @@ SETUPS = {
     "fsdp2-eager": ("fsdp2 eager", "fsdp2", False, {}),
     "fsdp2-compiled": ("fsdp2 + torch.compile", "fsdp2", True, {}),
     "ours-eager": ("ours eager", "ours", False, {}),
-    "ours-eager-noprefetch": ("ours eager, no prefetch", "ours", False, {"prefetch_depth": 0}),
+    "ours-eager-nooverlap": ("ours eager, no overlap", "ours", False, {"eager_overlap": False}),
     "ours-compiled-nopasses": ("ours compiled, passes off", "ours", True, {"bucketing": False, "reorder": False}),
     "ours-compiled": ("ours compiled", "ours", True, {}),
     "ours-compiled-noreshard": ("ours compiled, no reshard", "ours", True, {}),

@@ -22,12 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_compile import config
-from fsdp_compile._compat import (
-    outside_dispatch_modes,
-    queue_end_of_backward_callback,
-    running_backward_id,
-    saved_tensors_hooks_active,
-)
+from fsdp_compile._compat import outside_dispatch_modes, saved_tensors_hooks_active
+from fsdp_compile._eager_reduce import call_at_end_of_backward
 from fsdp_compile._fsdp_param import (
     FSDPParam,
     ParamState,
@@ -151,7 +147,7 @@ class _ForwardPrefetch:
         last = self.outermost.eager_forward_order
         position = len(self.order)
         self.on_track = self.on_track and position <= len(last) and last[position - 1] is unit
-        if self.on_track and position < len(last) and config.prefetch_depth > 0:
+        if self.on_track and position < len(last) and config.eager_overlap:
             upcoming = last[position]
             for bucket in _prefetchable_buckets(upcoming):
                 self.in_flight.append(_PrefetchedGather(tuple(bucket), shard_versions(bucket), issue_bucket_gather(bucket)))
@@ -254,7 +250,7 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
     Every rank packs and unpacks the same saved tensors in the same order, so every
     rank issues the same collectives in the same order."""
     earlier = [other for other in _open_slots.values() if other.seq < slot.seq and _needs_regather(other) and other.fsdp_param.unit is not slot.fsdp_param.unit]
-    if not earlier or config.prefetch_depth < 1 or not queue_end_of_backward_callback_once():
+    if not earlier or not config.eager_overlap or not call_at_end_of_backward(_drop_regathers_in_flight):
         return
     unit = max(earlier, key=lambda other: other.seq).fsdp_param.unit
     for first in [other for other in earlier if other.fsdp_param.unit is unit]:
@@ -291,26 +287,10 @@ class _RegatherInFlight:
 
 
 _regathers_in_flight: list[_RegatherInFlight] = []
-_drop_queued_for: int | None = None  # the backward whose end drops them
-
-
-def queue_end_of_backward_callback_once() -> bool:
-    """Make sure the running backward drops its unused prefetched re-gathers when it
-    ends; False outside a backward (nothing is prefetched then). A backward that
-    raised leaves its prefetches to the next one's end."""
-    global _drop_queued_for
-    backward = running_backward_id()
-    if backward is None:
-        return False
-    if _drop_queued_for != backward:
-        queue_end_of_backward_callback(_drop_regathers_in_flight)
-        _drop_queued_for = backward
-    return True
 
 
 def _drop_regathers_in_flight() -> None:
-    global _drop_queued_for
-    _drop_queued_for = None
+    """End of a backward: wait on the prefetched re-gathers it did not use."""
     while _regathers_in_flight:
         _regathers_in_flight.pop().drop()
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile._compat import fx_annotate
+from fsdp_compile._eager_reduce import defers_reduction, pending_reductions
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
 from fsdp_compile.runtime.collectives import (
@@ -279,15 +280,21 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None) -> None:
     """Gather ``fsdp_params`` (sharded, of one :meth:`FSDPParam.bucket_key`) with one
-    all-gather, with autograd (one reduce-scatter in the backward): eager code's
-    :meth:`FSDPParam.gather` for a bucket. ``in_flight``: their all-gather, issued
-    ahead by :func:`issue_bucket_gather` (a prefetch) from unchanged shards."""
+    all-gather, with autograd (one reduce-scatter in the backward, waited on one unit
+    later: see ``fsdp_compile._eager_reduce``): eager code's :meth:`FSDPParam.gather`
+    for a bucket. ``in_flight``: their all-gather, issued ahead by
+    :func:`issue_bucket_gather` (a prefetch) from unchanged shards."""
     first = fsdp_params[0]
     if forward_context.in_broken_graph():
         warn_gathered_in_broken_graph(first)
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
+    specs = [p.spec for p in fsdp_params]
     with fx_annotate(first.spec.tag.as_meta()):
-        fulls = gather_bucket_with_grad_sync(shards, [p.spec for p in fsdp_params], in_flight)
+        if defers_reduction(shards):
+            deliver = pending_reductions.deliverer(shards)
+            fulls = gather_bucket_with_grad_sync([s.detach() for s in shards], specs, in_flight, deliver)
+        else:
+            fulls = gather_bucket_with_grad_sync(shards, specs, in_flight)
     for fsdp_param, full in zip(fsdp_params, fulls):
         fsdp_param._note_gathered(full)
 

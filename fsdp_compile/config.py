@@ -40,8 +40,7 @@ bucket_cap_mb: float = 25.0
 #: Post-grad graphs: issue all-gathers early (prefetch) and wait late.
 reorder: bool = True
 
-#: How many all-gather buckets may be issued ahead of the one in use. Eager
-#: runs prefetch one unit ahead (forward and backward) unless this is 0.
+#: How many all-gather buckets may be issued ahead of the one in use.
 prefetch_depth: int = 1
 
 #: How many reduce-scatter buckets may be in flight at once in backward.
@@ -51,6 +50,14 @@ reduce_scatter_depth: int = 1
 #: for no bound beyond ``prefetch_depth``. A prefetch that would exceed it is
 #: issued later instead.
 max_inflight_bytes: int | None = None
+
+#: Eager runs overlap communication with compute as FSDP2 does: all-gathers are
+#: prefetched one unit ahead (forward and backward) and a unit's reduce-scatter is
+#: waited on when the next one is issued (``reduce_scatter_depth``) or the backward
+#: ends; its gradient then reaches the sharded parameter. False: every eager
+#: collective is waited on at once (gradients flow to the sharded parameters through
+#: autograd's graph, e.g. for ``torch.autograd.grad`` with respect to them).
+eager_overlap: bool = True
 
 #: The first time each compiled graph runs, ranks compare their collective
 #: sequences and raise (all of them) on a difference instead of hanging.
@@ -76,6 +83,7 @@ _FIELDS = (
     "prefetch_depth",
     "reduce_scatter_depth",
     "max_inflight_bytes",
+    "eager_overlap",
     "check_collective_consistency",
     "hardware_profile",
     "symbolic_size_hint",

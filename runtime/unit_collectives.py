@@ -83,18 +83,42 @@ def all_gather_bucket(
     return issue_all_gather_bucket(shards, layouts, param_dtype).wait()
 
 
-def reduce_scatter_bucket(grads: list[torch.Tensor], layouts: list[ShardLayout], reduce_op: str) -> list[torch.Tensor]:
-    """This rank's shard of each of ``grads`` (full gradients, one dtype), reduced with
-    one reduce-scatter over their shared group: views of its output."""
+@dataclass(eq=False)
+class ReduceScatterInFlight:
+    """A bucket's reduce-scatter, issued and not yet waited on (eager: waited on one unit
+    later, as FSDP2 does). :meth:`wait` finishes the reduction: this rank's shard of each
+    gradient, all-reduced over each replicate group (HSDP), cast to each shard's dtype."""
+
+    reduced: torch.Tensor  # the collective's output, written asynchronously
+    layouts: list[ShardLayout]
+    reduce_op: str
+    reduce_group_names: tuple[str, ...]
+    shard_dtypes: list[torch.dtype]
+
+    def wait(self) -> list[torch.Tensor]:
+        out = c10d_functional.wait_tensor(self.reduced)
+        shards, offset = [], 0
+        for layout in self.layouts:
+            width = layout.padded_numel
+            shards.append(out[offset : offset + width].view(layout.padded_local_shape)[: layout.local_rows])
+            offset += width
+        for group_name in self.reduce_group_names:
+            shards = _all_reduce_bucket(shards, self.reduce_op, group_name)
+        return [s.to(dtype) for s, dtype in zip(shards, self.shard_dtypes)]
+
+
+def issue_reduce_scatter_bucket(grads: list[torch.Tensor], spec: CollectiveSpec, layouts: list[ShardLayout], shard_dtypes: list[torch.dtype]) -> ReduceScatterInFlight:
+    """Cast ``grads`` (full gradients of one bucket) to ``spec.reduce_dtype``, pre-scale them,
+    copy them into one buffer and issue its reduce-scatter over their shared group, without
+    waiting."""
+    if spec.reduce_dtype is not None:
+        grads = [g.to(spec.reduce_dtype) for g in grads]
+    if spec.grad_scale is not None:
+        grads = [g * spec.grad_scale for g in grads]
     world_size, group_name = layouts[0].world_size, layouts[0].group_name
-    widths = [layout.padded_numel for layout in layouts]
-    flat = reduce_scatter_copy_in([g.contiguous() for g in grads], [w * world_size for w in widths], world_size)
-    out = c10d_functional.wait_tensor(c10d_functional.reduce_scatter_tensor(flat, reduce_op, world_size, group_name))
-    shards, offset = [], 0
-    for layout, width in zip(layouts, widths):
-        shards.append(out[offset : offset + width].view(layout.padded_local_shape)[: layout.local_rows])
-        offset += width
-    return shards
+    flat = reduce_scatter_copy_in([g.contiguous() for g in grads], [layout.padded_numel * world_size for layout in layouts], world_size)
+    reduced = c10d_functional.reduce_scatter_tensor(flat, spec.reduce_op, world_size, group_name)
+    return ReduceScatterInFlight(reduced, list(layouts), spec.reduce_op, tuple(spec.reduce_group_names), list(shard_dtypes))
 
 
 def _all_reduce_bucket(shards: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:
@@ -103,15 +127,25 @@ def _all_reduce_bucket(shards: list[torch.Tensor], reduce_op: str, group_name: s
     return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in shards]), shards)]
 
 
+#: The one input that makes a deferred bucket's outputs require grad: its shards go in
+#: detached (their gradients reach the parameters later, see ``deliver``).
+_GRAD_ANCHOR = torch.empty(0, requires_grad=True)
+
+
 class _GatherBucketWithGradSync(torch.autograd.Function):
     """Forward: the full tensors of a bucket's shards, in ``param_dtype``.
     Backward: their gradients, in ``reduce_dtype`` and pre-scaled, reduce-scattered
     together, all-reduced together over each replicate group, cast to each shard's dtype
-    (gradient sync on; a bucket is never built with it off)."""
+    (gradient sync on; a bucket is never built with it off).
+
+    With ``deliver``, the shards come in detached after an anchor, and the backward
+    hands the issued reduce-scatter to ``deliver`` instead of waiting for it (whoever
+    waits then passes the gradients on to the shards)."""
 
     @staticmethod
-    def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, *shards):
-        ctx.specs, ctx.shard_dtypes = specs, [s.dtype for s in shards]
+    def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, *tensors):
+        shards = tensors[1:] if deliver is not None else tensors
+        ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
         if in_flight is not None:
             return tuple(in_flight.wait())
         return tuple(all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype))
@@ -120,22 +154,25 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     def backward(ctx, *grads):
         specs, first = ctx.specs, ctx.specs[0]
         with fx_annotate(first.reduce_meta):
-            if first.reduce_dtype is not None:
-                grads = [g.to(first.reduce_dtype) for g in grads]
-            if first.grad_scale is not None:
-                grads = [g * first.grad_scale for g in grads]
-            shards = reduce_scatter_bucket(list(grads), [spec.layout for spec in specs], first.reduce_op)
-            for group_name in first.reduce_group_names:
-                shards = _all_reduce_bucket(shards, first.reduce_op, group_name)
-        return (None, None, *(s.to(dtype) for s, dtype in zip(shards, ctx.shard_dtypes)))
+            reduction = issue_reduce_scatter_bucket(list(grads), first, [spec.layout for spec in specs], ctx.shard_dtypes)
+            if ctx.deliver is not None:
+                ctx.deliver(reduction)
+                return (None,) * (3 + ctx.n_tensors)
+            return (None, None, None, *reduction.wait())
 
 
 def gather_bucket_with_grad_sync(
-    shards: list[torch.Tensor], specs: list[CollectiveSpec], in_flight: AllGatherInFlight | None = None
+    shards: list[torch.Tensor],
+    specs: list[CollectiveSpec],
+    in_flight: AllGatherInFlight | None = None,
+    deliver=None,
 ) -> list[torch.Tensor]:
     """The full tensors (dim 0 first) of ``shards``, whose specs share one
     :func:`bucket_key`, with one all-gather; their gradients are reduced back with
     one reduce-scatter (see :class:`_GatherBucketWithGradSync`). ``in_flight``: the
     all-gather of these same shards, already issued (a prefetch): it is waited on
-    instead of issuing one."""
-    return list(_GatherBucketWithGradSync.apply(tuple(specs), in_flight, *shards))
+    instead of issuing one. ``deliver``: called in backward with the issued
+    :class:`ReduceScatterInFlight` instead of waiting for it; ``shards`` then get no
+    gradient from autograd (pass them detached)."""
+    tensors = (_GRAD_ANCHOR, *shards) if deliver is not None else tuple(shards)
+    return list(_GatherBucketWithGradSync.apply(tuple(specs), in_flight, deliver, *tensors))

@@ -1,6 +1,8 @@
-"""Eager prefetch on 2 gloo ranks: a forward issues the next unit's all-gather before
-the running unit computes, a backward issues the re-gather of the unit before the one
-it re-gathers, and neither changes a single bit of the result (``fsdp_compile._eager``)."""
+"""Eager overlap on 2 gloo ranks (``config.eager_overlap``): a forward issues the next
+unit's all-gather before the running unit computes, a backward issues the re-gather of
+the unit before the one it re-gathers and waits on each reduce-scatter one unit later,
+and none of it changes a bit of the result, ``.grad`` accumulation or parameter hooks
+(``fsdp_compile._eager``, ``fsdp_compile._eager_reduce``)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compile._eager as eager
+import fsdp_compile._eager_reduce as eager_reduce
 from fsdp_compile import config
 from fsdp_compile.testing import full_parameters
 from fsdp_compile.testing.models import MLPStack
@@ -55,6 +58,8 @@ def _recording(events: list, model) -> None:
         "issue": eager.issue_bucket_gather,
         "gather": eager.gather_bucket,
         "land": eager._RegatherInFlight.land,
+        "deliverer": eager_reduce.pending_reductions.deliverer,
+        "finish": eager_reduce._PendingReductions._finish,
     }
 
     def issue(fsdp_params, role=eager.Role.UNSHARD):
@@ -69,6 +74,28 @@ def _recording(events: list, model) -> None:
         events.append(("land", _unit_name(self.slots[0].fsdp_param.unit.fqn)))
         return originals["land"](self)
 
+    unit_of_shards = {}
+
+    def deliverer(shards):
+        unit_of_shards[id(shards)] = unit_now[0]
+        deliver = originals["deliverer"](shards)
+
+        def logged(reduction):
+            events.append(("reduce issued", unit_of_shards[id(shards)]))
+            deliver(reduction)
+
+        return logged
+
+    def finish(pending):
+        events.append(("reduce finished", unit_of_shards[id(pending.shards)]))
+        return originals["finish"](pending)
+
+    unit_now = [None]
+
+    def gather_logging_unit(fsdp_params, in_flight=None):
+        unit_now[0] = _unit_name(fsdp_params[0].unit.fqn)
+        return gather(fsdp_params, in_flight)
+
     handles = [
         layer.register_forward_hook(lambda mod, args, out, i=i: events.append(("computed", f"layers.{i}")))
         for i, layer in enumerate(model.layers)
@@ -76,18 +103,22 @@ def _recording(events: list, model) -> None:
         layer.register_full_backward_hook(lambda mod, gin, gout, i=i: events.append(("backward done", f"layers.{i}")))
         for i, layer in enumerate(model.layers)
     ]
-    eager.issue_bucket_gather, eager.gather_bucket = issue, gather
+    eager.issue_bucket_gather, eager.gather_bucket = issue, gather_logging_unit
     eager._RegatherInFlight.land = land
+    eager_reduce.pending_reductions.deliverer = deliverer
+    eager_reduce._PendingReductions._finish = staticmethod(finish)
     try:
         yield
     finally:
         eager.issue_bucket_gather, eager.gather_bucket = originals["issue"], originals["gather"]
         eager._RegatherInFlight.land = originals["land"]
+        del eager_reduce.pending_reductions.deliverer
+        eager_reduce._PendingReductions._finish = staticmethod(originals["finish"])
         for handle in handles:
             handle.remove()
 
 
-def _train(name: str, steps: int, prefetch_depth: int, events: list | None = None) -> dict:
+def _train(name: str, steps: int, overlap: bool, events: list | None = None) -> dict:
     """``steps`` eager AdamW steps of a model sharded per block and at the root;
     ``events``: filled with every step's events (a list per step)."""
     model, units = build(name)
@@ -95,7 +126,7 @@ def _train(name: str, steps: int, prefetch_depth: int, events: list | None = Non
         fully_shard_of("ours")(unit)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    with config.patch(prefetch_depth=prefetch_depth):
+    with config.patch(eager_overlap=overlap):
         for step in range(steps):
             x, y = _data(name, step)
             step_events: list = []
@@ -114,12 +145,12 @@ def _train(name: str, steps: int, prefetch_depth: int, events: list | None = Non
 
 def prefetch_trace(name: str) -> tuple[list, int]:
     events: list = []
-    _train(name, 2, 1, events)
+    _train(name, 2, True, events)
     return events, len(build(name)[0].layers)
 
 
 def prefetched_and_not(name: str) -> dict:
-    return {depth: _train(name, 3, depth) for depth in (1, 0)}
+    return {overlap: _train(name, 3, overlap) for overlap in (True, False)}
 
 
 def _scale_layer_1_after_layer_0_prefetched_it(model, scale: list) -> None:
@@ -170,14 +201,14 @@ def skipped_unit(name: str) -> dict:
     """Step 2 skips layer 1 inside the root's forward (its prefetched all-gather goes
     unused), step 3 runs it again; against the same steps without prefetching."""
 
-    def run(depth: int) -> dict:
+    def run(overlap: bool) -> dict:
         model, units = build(name)
         for unit in units:
             fully_shard_of("ours")(unit)
         layers = list(model.layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
-        with config.patch(prefetch_depth=depth):
+        with config.patch(eager_overlap=overlap):
             for step in range(3):
                 model.layers = torch.nn.ModuleList(m for i, m in enumerate(layers) if step != 1 or i != 1)
                 x, y = _data(name, step)
@@ -190,7 +221,81 @@ def skipped_unit(name: str) -> dict:
         model.layers = torch.nn.ModuleList(layers)
         return {"losses": losses, "params": full_parameters(model)}
 
-    return {depth: run(depth) for depth in (1, 0)}
+    return {overlap: run(overlap) for overlap in (True, False)}
+
+
+def hooks_and_accumulation(name: str) -> dict:
+    """Two micro-batches accumulated in ``.grad`` per step, a post-accumulate-grad hook
+    on every sharded parameter (what optimizer-in-backward uses): with overlap and
+    without, the hook calls (parameter, micro-batch) and every gradient it saw."""
+
+    def run(overlap: bool) -> dict:
+        model, units = build(name)
+        for unit in units:
+            fully_shard_of("ours")(unit)
+        seen = []
+        for pname, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, pname=pname: seen.append((pname, p.grad.to_local().clone())))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with config.patch(eager_overlap=overlap):
+            for step in range(2):
+                for micro in range(2):
+                    x, y = _data(name, 2 * step + micro)
+                    _loss(name, model(_local(x)), _local(y)).backward()
+                    assert not eager_reduce.pending_reductions.pending
+                opt.step()
+                opt.zero_grad()
+        return {"seen": seen, "params": full_parameters(model)}
+
+    return {overlap: run(overlap) for overlap in (True, False)}
+
+
+def backward_that_raises(name: str) -> dict:
+    """Step 2's backward raises half-way (after some reductions were deferred); the
+    caller drops its gradients and goes on. Against the same run without step 2."""
+
+    class Stop(Exception):
+        pass
+
+    def run(fail: bool) -> dict:
+        model, units = build(name)
+        for unit in units:
+            fully_shard_of("ours")(unit)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            if step == 1 and not fail:
+                continue
+            x, y = _data(name, step)
+            h = _local(x)
+            for i, layer in enumerate(model.layers):
+                h = layer(h)
+                if step == 1 and i == 1:
+                    h.register_hook(lambda g: (_ for _ in ()).throw(Stop()))
+            loss = _loss(name, h, _local(y))
+            try:
+                loss.backward()
+            except Stop:
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        return full_parameters(model)
+
+    return {fail: run(fail) for fail in (True, False)}
+
+
+def grad_without_overlap(name: str) -> dict:
+    """``torch.autograd.grad`` with respect to the sharded parameters (overlap off) against
+    ``.backward()``."""
+    model, units = build(name)
+    for unit in units:
+        fully_shard_of("ours")(unit)
+    params = [p for p in model.parameters() if p.requires_grad]
+    x, y = _data(name, 0)
+    with config.patch(eager_overlap=False):
+        grads = torch.autograd.grad(_loss(name, model(_local(x)), _local(y)), params)
+    _loss(name, model(_local(x)), _local(y)).backward()
+    return {"grad": [g.full_tensor() for g in grads], "backward": [p.grad.full_tensor() for p in params]}
 
 
 # ---------------------------------------------------------------- the tests
@@ -232,12 +337,20 @@ def test_forward_prefetches_the_next_unit_and_backward_the_previous(pool2, name)
             issued = events_of_step.index(("issue", layers[i], "REGATHER"))
             assert issued < events_of_step.index(("backward done", layers[i + 1])), (layers[i], events_of_step)
             assert events_of_step.index(("land", layers[i])) > issued
+    # Each reduce-scatter is waited on only after the next unit's was issued (the second
+    # step gathers every layer as one bucket), and every one before backward returns.
+    reduced = [e[1] for e in second if e[0] == "reduce issued"]
+    assert reduced[: n_layers] == layers[::-1], second
+    for earlier_in_backward, later_in_backward in zip(reduced, reduced[1:]):
+        finished = second.index(("reduce finished", earlier_in_backward))
+        assert second.index(("reduce issued", later_in_backward)) < finished, second
+    assert sorted(e[1] for e in second if e[0] == "reduce finished") == sorted(reduced)
 
 
 @pytest.mark.parametrize("name", ["mlp", "mlp_nobias", "llama"])
 def test_prefetching_changes_no_bit(pool2, name):
     for rank_result in pool2.run(prefetched_and_not, name):
-        _assert_bitwise(rank_result[1], rank_result[0])
+        _assert_bitwise(rank_result[True], rank_result[False])
 
 
 def test_a_shard_written_after_its_prefetch_is_gathered_again(pool2):
@@ -247,4 +360,26 @@ def test_a_shard_written_after_its_prefetch_is_gathered_again(pool2):
 
 def test_a_unit_skipped_after_its_prefetch_changes_nothing(pool2):
     for rank_result in pool2.run(skipped_unit, "mlp"):
-        _assert_bitwise(rank_result[1], rank_result[0])
+        _assert_bitwise(rank_result[True], rank_result[False])
+
+
+@pytest.mark.parametrize("name", ["mlp", "llama"])
+def test_deferred_reductions_accumulate_and_run_hooks_as_autograd_does(pool2, name):
+    for rank_result in pool2.run(hooks_and_accumulation, name):
+        overlapped, waited = rank_result[True], rank_result[False]
+        assert [n for n, _ in overlapped["seen"]] == [n for n, _ in waited["seen"]]
+        assert len(overlapped["seen"]) == 4 * len(overlapped["params"])  # once per parameter and backward
+        for (n, a), (_, b) in zip(overlapped["seen"], waited["seen"]):
+            assert torch.equal(a, b), n
+        _assert_bitwise({"losses": [], "params": overlapped["params"]}, {"losses": [], "params": waited["params"]})
+
+
+def test_a_backward_that_raises_leaves_nothing_behind(pool2):
+    for rank_result in pool2.run(backward_that_raises, "mlp"):
+        _assert_bitwise({"losses": [], "params": rank_result[True]}, {"losses": [], "params": rank_result[False]})
+
+
+def test_autograd_grad_reaches_sharded_parameters_without_overlap(pool2):
+    for rank_result in pool2.run(grad_without_overlap, "llama"):
+        for a, b in zip(rank_result["grad"], rank_result["backward"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
