@@ -135,12 +135,14 @@ class _ForwardPrefetch:
         self.order: list[FSDPUnit] = []
         self.on_track = False
         self.in_flight: list[_PrefetchedGather] = []
+        self.forwards = 0  # outermost eager forwards so far (an id for the running one)
 
     def gathered(self, unit: FSDPUnit) -> None:
         """``unit`` was gathered by an eager forward: record it, and prefetch the next."""
         if forward_context.depth == 1:
             self.drop_in_flight()
             self.outermost, self.order, self.on_track = unit, [], True
+            self.forwards += 1
         if self.outermost is None:
             return
         self.order.append(unit)
@@ -243,13 +245,22 @@ def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
 
 
 def _prefetch_regather_before(slot: RegatherSlot) -> None:
-    """Issue the re-gather of the unit whose open slot was packed last before ``slot``
-    (the unit whose backward comes next, when units run one after another), in
-    buckets, without waiting; the end of the backward waits on whatever was not used.
+    """Issue the re-gather of the unit whose open slot was packed last before ``slot`` in
+    the same outermost forward (the unit whose backward comes next, when units run one
+    after another), in buckets, without waiting; the end of the backward waits on
+    whatever was not used. (Slots of other forwards may belong to graphs that are never
+    run backward, as FSDP2 prefetches within one root's forward order.)
 
     Every rank packs and unpacks the same saved tensors in the same order, so every
     rank issues the same collectives in the same order."""
-    earlier = [other for other in _open_slots.values() if other.seq < slot.seq and _needs_regather(other) and other.fsdp_param.unit is not slot.fsdp_param.unit]
+    earlier = [
+        other
+        for other in _open_slots.values()
+        if other.forward == slot.forward
+        and other.seq < slot.seq
+        and _needs_regather(other)
+        and other.fsdp_param.unit is not slot.fsdp_param.unit
+    ]
     if not earlier or not config.eager_overlap or not call_at_end_of_backward(_drop_regathers_in_flight):
         return
     unit = max(earlier, key=lambda other: other.seq).fsdp_param.unit
@@ -308,6 +319,8 @@ class RegatherSlot:
     full: torch.Tensor | None = None
     #: Its re-gather, issued ahead by the backward of the unit after it.
     prefetched: _RegatherInFlight | None = None
+    #: The outermost eager forward that packed it (``_ForwardPrefetch.forwards``).
+    forward: int = 0
     #: Creation order (the order the forward packed its first view).
     seq: int = field(default_factory=itertools.count().__next__)
     #: ``reshard_after_forward=<int>``: the block kept after forward to re-gather from
@@ -361,7 +374,7 @@ def _pack(t: torch.Tensor):
         return t
     slot = _open_slots.get(fsdp_param)
     if slot is None or slot.pending == 0:
-        slot = _open_slots[fsdp_param] = RegatherSlot(fsdp_param)
+        slot = _open_slots[fsdp_param] = RegatherSlot(fsdp_param, forward=forward_prefetch.forwards)
         if fsdp_param.unit.reshard_to is not None:
             slot.post_forward_shard = fsdp_param.post_forward_shard()
     slot.pending += 1

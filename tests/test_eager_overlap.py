@@ -63,7 +63,7 @@ def _recording(events: list, model) -> None:
     }
 
     def issue(fsdp_params, role=eager.Role.UNSHARD):
-        events.append(("issue", _unit_name(fsdp_params[0].unit.fqn), role.name))
+        events.append(("issue", _unit_name(fsdp_params[0].unit.fqn), role.name, id(fsdp_params[0].unit)))
         return originals["issue"](fsdp_params, role)
 
     def gather(fsdp_params, in_flight=None):
@@ -298,6 +298,24 @@ def grad_without_overlap(name: str) -> dict:
     return {"grad": [g.full_tensor() for g in grads], "backward": [p.grad.full_tensor() for p in params]}
 
 
+def forward_left_without_backward(name: str) -> list:
+    """Model A's forward keeps its graph (and its re-gather slots) but never runs
+    backward; model B then trains a step. The units whose re-gathers B's backward
+    prefetched."""
+    a, a_units = build(name)
+    b, b_units = build(name)
+    for unit in a_units + b_units:
+        fully_shard_of("ours")(unit)
+    x, y = _data(name, 0)
+    kept = _loss(name, a(_local(x)), _local(y))  # noqa: F841 (its graph stays alive)
+    events: list = []
+    with _recording(events, b):
+        _loss(name, b(_local(x)), _local(y)).backward()
+    a_fsdp_units = {id(m._fsdp_unit) for m in a_units}
+    issued_for_a = [e for e in events if e[0] == "issue" and e[2] == "REGATHER" and e[3] in a_fsdp_units]
+    return [e[:3] for e in issued_for_a] + [("b issued", sum(1 for e in events if e[0] == "issue" and e[2] == "REGATHER"))]
+
+
 # ---------------------------------------------------------------- the tests
 
 
@@ -312,7 +330,7 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("name", ["mlp", "mlp_nobias", "llama"])
 def test_forward_prefetches_the_next_unit_and_backward_the_previous(pool2, name):
     events, n_layers = pool2.run(prefetch_trace, name)[0]
-    first, second = events
+    first, second = [[e[:3] for e in step] for step in events]
     layers = [f"layers.{i}" for i in range(n_layers)]
 
     # The first forward has no order to follow: every unit gathers when it runs.
@@ -383,3 +401,8 @@ def test_autograd_grad_reaches_sharded_parameters_without_overlap(pool2):
     for rank_result in pool2.run(grad_without_overlap, "llama"):
         for a, b in zip(rank_result["grad"], rank_result["backward"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_forward_left_without_backward_is_not_prefetched_by_another(pool2):
+    for issued in pool2.run(forward_left_without_backward, "llama"):
+        assert issued[:-1] == [] and issued[-1][1] > 0, issued
