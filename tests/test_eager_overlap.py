@@ -33,6 +33,18 @@ def build(name: str):
     return model, [*model.layers, model]
 
 
+def _sharded(name: str):
+    """The model ``name`` sharded per block and at the root, and its units."""
+    model, units = build(name)
+    for unit in units:
+        fully_shard_of("ours")(unit)
+    return model, units
+
+
+def _nothing_in_flight() -> bool:
+    return not (eager.forward_prefetch.in_flight or eager._regathers_in_flight or eager_reduce.pending_reductions.pending)
+
+
 def _data(name: str, step: int):
     return batch("mlp" if name == "mlp_nobias" else name, step)
 
@@ -66,8 +78,11 @@ def _recording(events: list, model) -> None:
         events.append(("issue", _unit_name(fsdp_params[0].unit.fqn), role.name, id(fsdp_params[0].unit)))
         return originals["issue"](fsdp_params, role)
 
+    unit_now = [None]  # the unit whose bucket is being gathered (its deliverer is made then)
+
     def gather(fsdp_params, in_flight=None):
-        events.append(("gather", _unit_name(fsdp_params[0].unit.fqn), in_flight is not None))
+        unit_now[0] = _unit_name(fsdp_params[0].unit.fqn)
+        events.append(("gather", unit_now[0], in_flight is not None))
         return originals["gather"](fsdp_params, in_flight)
 
     def land(self):
@@ -90,12 +105,6 @@ def _recording(events: list, model) -> None:
         events.append(("reduce finished", unit_of_shards[id(pending.shards)]))
         return originals["finish"](pending)
 
-    unit_now = [None]
-
-    def gather_logging_unit(fsdp_params, in_flight=None):
-        unit_now[0] = _unit_name(fsdp_params[0].unit.fqn)
-        return gather(fsdp_params, in_flight)
-
     handles = [
         layer.register_forward_hook(lambda mod, args, out, i=i: events.append(("computed", f"layers.{i}")))
         for i, layer in enumerate(model.layers)
@@ -103,7 +112,7 @@ def _recording(events: list, model) -> None:
         layer.register_full_backward_hook(lambda mod, gin, gout, i=i: events.append(("backward done", f"layers.{i}")))
         for i, layer in enumerate(model.layers)
     ]
-    eager.issue_bucket_gather, eager.gather_bucket = issue, gather_logging_unit
+    eager.issue_bucket_gather, eager.gather_bucket = issue, gather
     eager._RegatherInFlight.land = land
     eager_reduce.pending_reductions.deliverer = deliverer
     eager_reduce._PendingReductions._finish = staticmethod(finish)
@@ -121,9 +130,7 @@ def _recording(events: list, model) -> None:
 def _train(name: str, steps: int, overlap: bool, events: list | None = None) -> dict:
     """``steps`` eager AdamW steps of a model sharded per block and at the root;
     ``events``: filled with every step's events (a list per step)."""
-    model, units = build(name)
-    for unit in units:
-        fully_shard_of("ours")(unit)
+    model, units = _sharded(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     with config.patch(eager_overlap=overlap):
@@ -133,8 +140,8 @@ def _train(name: str, steps: int, overlap: bool, events: list | None = None) -> 
             with _recording(step_events, model) if events is not None else contextlib.nullcontext():
                 loss = _loss(name, model(_local(x)), _local(y))
                 loss.backward()
-            # Nothing prefetched is left in flight once a step's backward is done.
-            assert not eager.forward_prefetch.in_flight and not eager._regathers_in_flight
+            # Nothing is left in flight once a step's backward is done.
+            assert _nothing_in_flight()
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
@@ -172,9 +179,7 @@ def write_after_prefetch(name: str) -> dict:
     0's forward); the same write made before the forward must give the same step."""
     out = {}
     for where in ("after prefetch", "before forward"):
-        model, units = build(name)
-        for unit in units:
-            fully_shard_of("ours")(unit)
+        model, units = _sharded(name)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         losses = []
         for step in range(3):
@@ -202,9 +207,7 @@ def skipped_unit(name: str) -> dict:
     unused), step 3 runs it again; against the same steps without prefetching."""
 
     def run(overlap: bool) -> dict:
-        model, units = build(name)
-        for unit in units:
-            fully_shard_of("ours")(unit)
+        model, units = _sharded(name)
         layers = list(model.layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
@@ -214,7 +217,7 @@ def skipped_unit(name: str) -> dict:
                 x, y = _data(name, step)
                 loss = _loss(name, model(_local(x)), _local(y))
                 loss.backward()
-                assert not eager.forward_prefetch.in_flight and not eager._regathers_in_flight
+                assert _nothing_in_flight()
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.detach())
@@ -230,9 +233,7 @@ def hooks_and_accumulation(name: str) -> dict:
     without, the hook calls (parameter, micro-batch) and every gradient it saw."""
 
     def run(overlap: bool) -> dict:
-        model, units = build(name)
-        for unit in units:
-            fully_shard_of("ours")(unit)
+        model, units = _sharded(name)
         seen = []
         for pname, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(lambda p, pname=pname: seen.append((pname, p.grad.to_local().clone())))
@@ -242,7 +243,7 @@ def hooks_and_accumulation(name: str) -> dict:
                 for micro in range(2):
                     x, y = _data(name, 2 * step + micro)
                     _loss(name, model(_local(x)), _local(y)).backward()
-                    assert not eager_reduce.pending_reductions.pending
+                    assert _nothing_in_flight()
                 opt.step()
                 opt.zero_grad()
         return {"seen": seen, "params": full_parameters(model)}
@@ -258,9 +259,7 @@ def backward_that_raises(name: str) -> dict:
         pass
 
     def run(fail: bool) -> dict:
-        model, units = build(name)
-        for unit in units:
-            fully_shard_of("ours")(unit)
+        model, units = _sharded(name)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(3):
             if step == 1 and not fail:
@@ -287,9 +286,7 @@ def backward_that_raises(name: str) -> dict:
 def grad_without_overlap(name: str) -> dict:
     """``torch.autograd.grad`` with respect to the sharded parameters (overlap off) against
     ``.backward()``."""
-    model, units = build(name)
-    for unit in units:
-        fully_shard_of("ours")(unit)
+    model, units = _sharded(name)
     params = [p for p in model.parameters() if p.requires_grad]
     x, y = _data(name, 0)
     with config.patch(eager_overlap=False):
@@ -302,10 +299,8 @@ def forward_left_without_backward(name: str) -> list:
     """Model A's forward keeps its graph (and its re-gather slots) but never runs
     backward; model B then trains a step. The units whose re-gathers B's backward
     prefetched."""
-    a, a_units = build(name)
-    b, b_units = build(name)
-    for unit in a_units + b_units:
-        fully_shard_of("ours")(unit)
+    a, a_units = _sharded(name)
+    b, b_units = _sharded(name)
     x, y = _data(name, 0)
     kept = _loss(name, a(_local(x)), _local(y))  # noqa: F841 (its graph stays alive)
     events: list = []
