@@ -4,14 +4,14 @@ against a compute-only run of the same setups on one rank.
     python -m benchmarks.step_time [--quick] [--model llama|hf-llama] [--layers 8] [--dim 512]
                                    [--vocab 16384] [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
                                    [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
-                                             ours-compiled-nopasses,ours-compiled,
+                                             ours-eager-nooverlap,ours-compiled-nopasses,ours-compiled,
                                              ours-compiled-noreshard,simplefsdp-manual,
                                              simplefsdp-manual-noreshard,simplefsdp-auto]
 
 A Llama-style model (tied embeddings; ``--model hf-llama``: a ``transformers``
 ``LlamaForCausalLM`` of the same shapes, see ``benchmarks/_models.py``), one unit per
-decoder layer plus the root, AdamW, fp32. Five setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
-ours compiled with our passes off (``config.patch(bucketing=False, reorder=False)``)
+decoder layer plus the root, AdamW, fp32. Six setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
+ours eager without its overlap (``config.patch(eager_overlap=False)``), ours compiled with our passes off (``config.patch(bucketing=False, reorder=False)``)
 and ours compiled; each reshards the decoder layers after forward (FSDP2's default:
 ``reshard_after_forward=True`` for the layers, the root keeps its parameters).
 And the **compute-only limit** (``unsharded-compiled``): every rank trains an
