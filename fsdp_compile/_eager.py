@@ -87,7 +87,7 @@ def gather_unit(unit: FSDPUnit) -> None:
     parameters that can share one (:meth:`FSDPParam.bucket_key`; most units: one),
     and one reduce-scatter per bucket in the backward. Reads inside the forward then
     hit the cache, so an activation-checkpointed region saves and recomputes the same ops."""
-    to_gather = [p for p in unit.params if p.state is ParamState.SHARDED and p.owner is not None]
+    to_gather = _to_gather(unit)
     for fsdp_param in to_gather:
         # A fresh gather starts a fresh re-gather slot: an earlier forward's slot lives on
         # only in its own autograd graph (a forward never followed by a backward leaves one
@@ -103,10 +103,14 @@ def gather_unit(unit: FSDPUnit) -> None:
                 fsdp_param.gather(owner._parameters[name])
 
 
+def _to_gather(unit: FSDPUnit) -> list[FSDPParam]:
+    """The parameters of ``unit`` a forward gathers now (sharded, registered)."""
+    return [p for p in unit.params if p.state is ParamState.SHARDED and p.owner is not None]
+
+
 def _prefetchable_buckets(unit: FSDPUnit) -> list[list[FSDPParam]]:
     """The buckets of ``unit`` that can be gathered with one all-gather each, now."""
-    to_gather = [p for p in unit.params if p.state is ParamState.SHARDED and p.owner is not None]
-    return [bucket for key, bucket in _buckets(to_gather, FSDPParam.bucket_key) if key is not None]
+    return [bucket for key, bucket in _buckets(_to_gather(unit), FSDPParam.bucket_key) if key is not None]
 
 
 @dataclass(eq=False)
@@ -140,7 +144,6 @@ class _ForwardPrefetch:
     def gathered(self, unit: FSDPUnit) -> None:
         """``unit`` was gathered by an eager forward: record it, and prefetch the next."""
         if forward_context.depth == 1:
-            self.drop_in_flight()
             self.outermost, self.order, self.on_track = unit, [], True
             self.forwards += 1
         if self.outermost is None:

@@ -47,8 +47,9 @@ def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
 @dataclass(eq=False)
 class AllGatherInFlight:
     """A bucket's all-gather, issued and not yet waited on (eager prefetch: the next
-    unit's gather runs while this one computes). :meth:`wait` returns what
-    :func:`all_gather_bucket` returns; every issued all-gather must be waited on once."""
+    unit's gather runs while this one computes). :meth:`wait` returns the
+    full tensors (dim 0 first), each with its own storage; every issued all-gather must
+    be waited on once."""
 
     gathered: torch.Tensor  # the collective's output, written asynchronously
     layouts: list[ShardLayout]
@@ -72,15 +73,6 @@ def issue_all_gather_bucket(
         shards = [s.to(param_dtype) for s in shards]
     flat = all_gather_copy_in([s.contiguous() for s in shards], [layout.padded_numel for layout in layouts])
     return AllGatherInFlight(c10d_functional.all_gather_into_tensor(flat, layouts[0].world_size, layouts[0].group_name), list(layouts))
-
-
-def all_gather_bucket(
-    shards: list[torch.Tensor], layouts: list[ShardLayout], param_dtype: torch.dtype | None = None
-) -> list[torch.Tensor]:
-    """The full tensors (dim 0 first) of ``shards`` (unpadded local shards), cast to
-    ``param_dtype`` first if given, with one all-gather over their shared group; each
-    output has its own storage."""
-    return issue_all_gather_bucket(shards, layouts, param_dtype).wait()
 
 
 @dataclass(eq=False)
@@ -146,9 +138,9 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, *tensors):
         shards = tensors[1:] if deliver is not None else tensors
         ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
-        if in_flight is not None:
-            return tuple(in_flight.wait())
-        return tuple(all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype))
+        if in_flight is None:
+            in_flight = issue_all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype)
+        return tuple(in_flight.wait())
 
     @staticmethod
     def backward(ctx, *grads):

@@ -127,14 +127,17 @@ def _recording(events: list, model) -> None:
             handle.remove()
 
 
-def _train(name: str, steps: int, overlap: bool, events: list | None = None) -> dict:
+def _train(name: str, steps: int, overlap: bool, events: list | None = None, skip: tuple[int, int] | None = None) -> dict:
     """``steps`` eager AdamW steps of a model sharded per block and at the root;
-    ``events``: filled with every step's events (a list per step)."""
+    ``events``: filled with every step's events (a list per step); ``skip``: (step,
+    layer) that step's root forward leaves out."""
     model, units = _sharded(name)
+    layers = list(model.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     with config.patch(eager_overlap=overlap):
         for step in range(steps):
+            model.layers = torch.nn.ModuleList(m for i, m in enumerate(layers) if (step, i) != skip)
             x, y = _data(name, step)
             step_events: list = []
             with _recording(step_events, model) if events is not None else contextlib.nullcontext():
@@ -147,6 +150,7 @@ def _train(name: str, steps: int, overlap: bool, events: list | None = None) -> 
             losses.append(loss.detach())
             if events is not None:
                 events.append(step_events)
+    model.layers = torch.nn.ModuleList(layers)
     return {"losses": losses, "params": full_parameters(model)}
 
 
@@ -205,26 +209,7 @@ def write_after_prefetch(name: str) -> dict:
 def skipped_unit(name: str) -> dict:
     """Step 2 skips layer 1 inside the root's forward (its prefetched all-gather goes
     unused), step 3 runs it again; against the same steps without prefetching."""
-
-    def run(overlap: bool) -> dict:
-        model, units = _sharded(name)
-        layers = list(model.layers)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        with config.patch(eager_overlap=overlap):
-            for step in range(3):
-                model.layers = torch.nn.ModuleList(m for i, m in enumerate(layers) if step != 1 or i != 1)
-                x, y = _data(name, step)
-                loss = _loss(name, model(_local(x)), _local(y))
-                loss.backward()
-                assert _nothing_in_flight()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
-        model.layers = torch.nn.ModuleList(layers)
-        return {"losses": losses, "params": full_parameters(model)}
-
-    return {overlap: run(overlap) for overlap in (True, False)}
+    return {overlap: _train(name, 3, overlap, skip=(1, 1)) for overlap in (True, False)}
 
 
 def hooks_and_accumulation(name: str) -> dict:
