@@ -1,8 +1,9 @@
 """Eager reduce-scatters, waited on one unit later (FSDP2's post-backward overlap).
 
 An eager backward issues a bucket's reduce-scatter when the bucket's gradients are
-ready and goes on with the next unit's backward; the reduction is waited on when the
-next bucket issues its own (keeping ``config.reduce_scatter_depth`` in flight) or
+ready and goes on with the next unit's backward; the reduction is waited on just before
+the next bucket issues its own (keeping at most ``config.reduce_scatter_depth`` in
+flight, as FSDP2 frees the last reduce-scatter's buffer before it makes the next) or
 when the backward ends, whichever comes first. Its result then reaches the sharded
 parameters through autograd itself, a small backward from the shards the forward
 read (``to_local`` and the moves to the compute device and dim), so accumulation into
@@ -78,22 +79,28 @@ class _PendingReductions:
     def __init__(self) -> None:
         self.pending: list[_PendingReduction] = []
 
-    def deliverer(self, shards: list[torch.Tensor]) -> Callable[[ReduceScatterInFlight], None]:
-        """What the bucket gathered from ``shards`` calls in backward with its reduction."""
-        return lambda reduction: self.add(shards, reduction)
+    def deliverer(self, shards: list[torch.Tensor]) -> Callable[[Callable[[], ReduceScatterInFlight]], None]:
+        """What the bucket gathered from ``shards`` calls in backward with the function
+        that issues its reduce-scatter."""
+        return lambda issue: self.add(shards, issue)
 
-    def add(self, shards: list[torch.Tensor], reduction: ReduceScatterInFlight) -> None:
+    def add(self, shards: list[torch.Tensor], issue: Callable[[], ReduceScatterInFlight]) -> None:
+        """Issue a reduction (``issue()``) once at most ``depth - 1`` are left in flight:
+        the oldest are finished first, so their buffers are freed before the new one is
+        made (compiled steps keep the same bound, ``passes.pinning``)."""
         backward = running_backward_id()
         stale = [p for p in self.pending if p.backward != backward]
         if stale:  # left by a backward that raised
             self.pending = [p for p in self.pending if p.backward == backward]
             for p in stale:
                 p.reduction.wait()
-        self.pending.append(_PendingReduction(backward, shards, reduction))
         # Outside a plain backward (create_graph, or none running) nothing waits later.
         depth = config.reduce_scatter_depth if not torch.is_grad_enabled() and call_at_end_of_backward(self.finish_all) else 0
-        while len(self.pending) > depth:
+        while self.pending and len(self.pending) >= depth:
             self._finish(self.pending.pop(0))
+        self.pending.append(_PendingReduction(backward, shards, issue()))
+        if depth == 0:
+            self._finish(self.pending.pop())
 
     def finish_all(self) -> None:
         while self.pending:

@@ -53,8 +53,8 @@ max_inflight_bytes: int | None = None
 
 #: Eager runs overlap communication with compute as FSDP2 does: all-gathers are
 #: prefetched one unit ahead (forward and backward) and a unit's reduce-scatter is
-#: waited on when the next one is issued (``reduce_scatter_depth``) or the backward
-#: ends; its gradient then reaches the sharded parameter. False: every eager
+#: waited on just before the next one is issued (at most ``reduce_scatter_depth`` in
+#: flight) or when the backward ends; its gradient then reaches the sharded parameter. False: every eager
 #: collective is waited on at once (gradients flow to the sharded parameters through
 #: autograd's graph, e.g. for ``torch.autograd.grad`` with respect to them).
 eager_overlap: bool = True

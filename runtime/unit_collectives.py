@@ -131,8 +131,9 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     (gradient sync on; a bucket is never built with it off).
 
     With ``deliver``, the shards come in detached after an anchor, and the backward
-    hands the issued reduce-scatter to ``deliver`` instead of waiting for it (whoever
-    waits then passes the gradients on to the shards)."""
+    hands ``deliver`` the function that issues the reduce-scatter instead of issuing
+    and waiting itself (``deliver`` issues it when it has room; whoever waits on it
+    then passes the gradients on to the shards)."""
 
     @staticmethod
     def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, *tensors):
@@ -146,11 +147,13 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     def backward(ctx, *grads):
         specs, first = ctx.specs, ctx.specs[0]
         with fx_annotate(first.reduce_meta):
-            reduction = issue_reduce_scatter_bucket(list(grads), first, [spec.layout for spec in specs], ctx.shard_dtypes)
+            def issue() -> ReduceScatterInFlight:
+                return issue_reduce_scatter_bucket(list(grads), first, [spec.layout for spec in specs], ctx.shard_dtypes)
+
             if ctx.deliver is not None:
-                ctx.deliver(reduction)
+                ctx.deliver(issue)
                 return (None,) * (3 + ctx.n_tensors)
-            return (None, None, None, *reduction.wait())
+            return (None, None, None, *issue().wait())
 
 
 def gather_bucket_with_grad_sync(
@@ -163,8 +166,9 @@ def gather_bucket_with_grad_sync(
     :func:`bucket_key`, with one all-gather; their gradients are reduced back with
     one reduce-scatter (see :class:`_GatherBucketWithGradSync`). ``in_flight``: the
     all-gather of these same shards, already issued (a prefetch): it is waited on
-    instead of issuing one. ``deliver``: called in backward with the issued
-    :class:`ReduceScatterInFlight` instead of waiting for it; ``shards`` then get no
-    gradient from autograd (pass them detached)."""
+    instead of issuing one. ``deliver``: called in backward with a function that
+    issues the reduce-scatter and returns its :class:`ReduceScatterInFlight`, instead
+    of issuing and waiting for it; ``shards`` then get no gradient from autograd
+    (pass them detached)."""
     tensors = (_GRAD_ANCHOR, *shards) if deliver is not None else tuple(shards)
     return list(_GatherBucketWithGradSync.apply(tuple(specs), in_flight, deliver, *tensors))

@@ -95,9 +95,12 @@ def _recording(events: list, model) -> None:
         unit_of_shards[id(shards)] = unit_now[0]
         deliver = originals["deliverer"](shards)
 
-        def logged(reduction):
-            events.append(("reduce issued", unit_of_shards[id(shards)]))
-            deliver(reduction)
+        def logged(issue):
+            def logged_issue():
+                events.append(("reduce issued", unit_of_shards[id(shards)]))
+                return issue()
+
+            deliver(logged_issue)
 
         return logged
 
@@ -335,13 +338,17 @@ def test_forward_prefetches_the_next_unit_and_backward_the_previous(pool2, name)
             issued = events_of_step.index(("issue", layers[i], "REGATHER"))
             assert issued < events_of_step.index(("backward done", layers[i + 1])), (layers[i], events_of_step)
             assert events_of_step.index(("land", layers[i])) > issued
-    # Each reduce-scatter is waited on only after the next unit's was issued (the second
-    # step gathers every layer as one bucket), and every one before backward returns.
+    # Each reduce-scatter is waited on after the next layer's backward started (its
+    # re-gather landed; the second step gathers every layer as one bucket) and before the
+    # next reduce-scatter is issued (one in flight at a time), every one before backward
+    # returns.
     reduced = [e[1] for e in second if e[0] == "reduce issued"]
     assert reduced[: n_layers] == layers[::-1], second
     for earlier_in_backward, later_in_backward in zip(reduced, reduced[1:]):
         finished = second.index(("reduce finished", earlier_in_backward))
-        assert second.index(("reduce issued", later_in_backward)) < finished, second
+        assert second.index(("reduce issued", earlier_in_backward)) < finished < second.index(("reduce issued", later_in_backward)), second
+        if later_in_backward in layers[regathered.start : regathered.stop]:
+            assert second.index(("land", later_in_backward)) < finished, second
     assert sorted(e[1] for e in second if e[0] == "reduce finished") == sorted(reduced)
 
 
