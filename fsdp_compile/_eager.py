@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_compile import config
-from fsdp_compile._compat import outside_dispatch_modes, saved_tensors_hooks_active
-from fsdp_compile._eager_reduce import call_at_end_of_backward
+from fsdp_compile._compat import outside_dispatch_modes, running_backward_id, saved_tensors_hooks_active
+from fsdp_compile._eager_reduce import call_at_end_of_backward, pending_reductions
 from fsdp_compile._fsdp_param import (
     FSDPParam,
     ParamState,
@@ -54,6 +54,8 @@ def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
     a warning names it. Dynamo must not meet our saved-tensor hooks there."""
     args, kwargs = cast_inputs(unit.mp_policy, args, kwargs)
     forward_context.enter(compiled=inside_compiled_call)
+    if forward_context.depth == 1 and running_backward_id() is None:
+        _drop_left_by_a_backward_that_raised()
     try:
         gather_unit(unit)
         if not inside_compiled_call:
@@ -80,6 +82,13 @@ def post_forward() -> None:
 
 
 cast_output_outside_dynamo = torch.compiler.disable(cast_output)
+
+
+def _drop_left_by_a_backward_that_raised() -> None:
+    """Between backwards nothing is in flight, unless a backward raised: wait on and drop
+    what it left (its reduce-scatters, its prefetched re-gathers)."""
+    pending_reductions.drop_unfinished()
+    _drop_regathers_in_flight()
 
 
 def gather_unit(unit: FSDPUnit) -> None:

@@ -11,8 +11,10 @@ read (``to_local`` and the moves to the compute device and dim), so accumulation
 undeferred step. The forward passes the gathered bucket's shards detached, so the
 main backward reaches the parameters only that way.
 
-A backward that raises leaves its reductions unfinished; they are waited on and
-dropped (their gradients never reach ``.grad``) by the next backward.
+A backward may run inside another (reentrant activation checkpointing): reductions
+are finished oldest first whichever backward issued them, and each backward's end
+finishes all that are left. A backward that raises leaves its reductions unfinished;
+the next eager forward waits on and drops them (their gradients never reach ``.grad``).
 """
 
 from __future__ import annotations
@@ -34,32 +36,29 @@ def defers_reduction(shards: list[torch.Tensor]) -> bool:
 
 # ------------------------------------------------------------- end of backward
 
-_at_end: list[Callable[[], None]] = []
-_queued_for: int | None = None  # the backward whose end runs ``_at_end``
+#: Per running backward (its graph task id), what to call when it ends. A backward
+#: can run inside another (reentrant activation checkpointing runs one per
+#: checkpointed region): each has its own list.
+_at_end: dict[int, list[Callable[[], None]]] = {}
 
 
 def call_at_end_of_backward(fn: Callable[[], None]) -> bool:
     """Run ``fn`` once when the running backward ends (once per backward however often
     it is asked); False, and nothing queued, outside a backward."""
-    global _queued_for
     backward = running_backward_id()
     if backward is None:
         return False
-    if _queued_for != backward:
-        _at_end.clear()
-        queue_end_of_backward_callback(_run_at_end)
-        _queued_for = backward
-    if fn not in _at_end:
-        _at_end.append(fn)
+    fns = _at_end.get(backward)
+    if fns is None:
+        fns = _at_end[backward] = []
+        queue_end_of_backward_callback(lambda: _run_at_end(backward))
+    if fn not in fns:
+        fns.append(fn)
     return True
 
 
-def _run_at_end() -> None:
-    global _queued_for
-    _queued_for = None
-    fns = list(_at_end)
-    _at_end.clear()
-    for fn in fns:
+def _run_at_end(backward: int) -> None:
+    for fn in _at_end.pop(backward, []):
         fn()
 
 
@@ -68,7 +67,6 @@ def _run_at_end() -> None:
 
 @dataclass(eq=False)
 class _PendingReduction:
-    backward: int | None
     shards: list[torch.Tensor]  # what the forward read, with autograd to the parameters
     reduction: ReduceScatterInFlight
 
@@ -87,24 +85,28 @@ class _PendingReductions:
     def add(self, shards: list[torch.Tensor], issue: Callable[[], ReduceScatterInFlight]) -> None:
         """Issue a reduction (``issue()``) once at most ``depth - 1`` are left in flight:
         the oldest are finished first, so their buffers are freed before the new one is
-        made (compiled steps keep the same bound, ``passes.pinning``)."""
-        backward = running_backward_id()
-        stale = [p for p in self.pending if p.backward != backward]
-        if stale:  # left by a backward that raised
-            self.pending = [p for p in self.pending if p.backward == backward]
-            for p in stale:
-                p.reduction.wait()
+        made (compiled steps keep the same bound, ``passes.pinning``). The oldest may be
+        an enclosing backward's (reentrant checkpointing): it is finished all the same."""
         # Outside a plain backward (create_graph, or none running) nothing waits later.
         depth = config.reduce_scatter_depth if not torch.is_grad_enabled() and call_at_end_of_backward(self.finish_all) else 0
         while self.pending and len(self.pending) >= depth:
             self._finish(self.pending.pop(0))
-        self.pending.append(_PendingReduction(backward, shards, issue()))
+        self.pending.append(_PendingReduction(shards, issue()))
         if depth == 0:
             self._finish(self.pending.pop())
 
     def finish_all(self) -> None:
         while self.pending:
             self._finish(self.pending.pop(0))
+
+    def drop_unfinished(self) -> None:
+        """Wait on and drop what a backward that raised left unfinished (its gradients never
+        reach ``.grad``), and forget its end-of-backward calls: at an eager forward outside
+        any backward, every reduction still pending is such a one."""
+        pending, self.pending = self.pending, []
+        for p in pending:
+            p.reduction.wait()
+        _at_end.clear()
 
     @staticmethod
     def _finish(pending: _PendingReduction) -> None:

@@ -271,6 +271,34 @@ def backward_that_raises(name: str) -> dict:
     return {fail: run(fail) for fail in (True, False)}
 
 
+def reentrant_checkpointing(name: str) -> dict:
+    """Every layer but the last run under reentrant activation checkpointing (each one's
+    backward is a backward of its own, nested in the step's, while the last layer's
+    reduce-scatter is still pending): 3 AdamW steps with overlap and without."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(overlap: bool) -> dict:
+        model, units = _sharded(name)
+        layers = list(model.layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        with config.patch(eager_overlap=overlap):
+            for step in range(3):
+                x, y = _data(name, step)
+                h = _local(x).requires_grad_()  # reentrant checkpoints need an input that requires grad
+                for layer in layers[:-1]:
+                    h = checkpoint(layer, h, use_reentrant=True)
+                loss = _loss(name, layers[-1](h), _local(y))
+                loss.backward()
+                assert _nothing_in_flight()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        return {"losses": losses, "params": full_parameters(model)}
+
+    return {overlap: run(overlap) for overlap in (True, False)}
+
+
 def grad_without_overlap(name: str) -> dict:
     """``torch.autograd.grad`` with respect to the sharded parameters (overlap off) against
     ``.backward()``."""
@@ -382,6 +410,12 @@ def test_deferred_reductions_accumulate_and_run_hooks_as_autograd_does(pool2, na
 def test_a_backward_that_raises_leaves_nothing_behind(pool2):
     for rank_result in pool2.run(backward_that_raises, "mlp"):
         _assert_bitwise({"losses": [], "params": rank_result[True]}, {"losses": [], "params": rank_result[False]})
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_nobias"])
+def test_reentrant_checkpointing_nests_backwards_without_losing_a_gradient(pool2, name):
+    for rank_result in pool2.run(reentrant_checkpointing, name):
+        _assert_bitwise(rank_result[True], rank_result[False])
 
 
 def test_autograd_grad_reaches_sharded_parameters_without_overlap(pool2):

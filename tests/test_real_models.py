@@ -3,7 +3,8 @@
 For each model: 3 SGD (momentum) steps on 2 gloo ranks, eager (bucketed per unit) and
 compiled, match a single-process unsharded reference to fp32 rounding, and the compiled sharded model compiles no more graphs than the
 unsharded model under the same ``torch.compile`` call (GPT-2 breaks the graph by itself;
-the checkpointed Llama checkpoints around each sharded layer). SGD rather than Adam:
+the checkpointed Llamas checkpoint around each sharded layer, non-reentrant and
+reentrant). SGD rather than Adam:
 Adam scales each update by the gradient's own magnitude, so parameters whose true
 gradient is zero (a key-projection bias: softmax ignores it) turn rounding noise into
 full-size updates and no tolerance tells rounding from a bug.
@@ -106,6 +107,16 @@ def llama_checkpointed():
     return model
 
 
+def llama_reentrant():
+    """The same Llama with reentrant gradient checkpointing (each checkpointed layer's
+    backward runs as a backward of its own inside the step's); sharded with its final
+    norm and LM head as units of their own (``shard_blocks_norm_and_head``), whose
+    reduce-scatters are still in flight when the nested backwards run."""
+    model = llama_checkpointed()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model
+
+
 def blocks(model) -> list:
     """The repeated blocks of any model above."""
     for path in ("model.layers", "transformer.h", "bert.encoder.layer"):
@@ -121,6 +132,14 @@ def blocks(model) -> list:
 
 def shard_per_block(model, fully_shard) -> None:
     shard_blocks(model, fully_shard, blocks=blocks(model))
+
+
+def shard_blocks_norm_and_head(model, fully_shard) -> None:
+    for block in blocks(model):
+        fully_shard(block)
+    fully_shard(model.model.norm)
+    fully_shard(model.lm_head)
+    fully_shard(model)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +166,13 @@ MODELS = {
     "gpt2": {},
     "bert_mlm": {"fullgraph": True},
     "llama_checkpointed": {},
+    "llama_reentrant": {},
 }
-BUILDERS = {"dense_gqa": dense_gqa, "moe": moe, "gpt2": gpt2, "bert_mlm": bert_mlm, "llama_checkpointed": llama_checkpointed}
+BUILDERS = {
+    "dense_gqa": dense_gqa, "moe": moe, "gpt2": gpt2, "bert_mlm": bert_mlm,
+    "llama_checkpointed": llama_checkpointed, "llama_reentrant": llama_reentrant,
+}
+SHARDING = {"llama_reentrant": shard_blocks_norm_and_head}  # the rest: shard_per_block
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -157,7 +181,7 @@ def test_real_model_trains_like_reference_without_extra_graphs(pool2, name):
         BUILDERS[name],
         batch,
         token_loss,
-        shard_fn=shard_per_block,
+        shard_fn=SHARDING.get(name, shard_per_block),
         backends=("eager", "inductor"),
         steps=3,
         rtol=1e-5,
