@@ -9,7 +9,10 @@ of a gathered weight, and backward gathers it again when it unpacks the handle.
 Both gathers are prefetched, so communication overlaps compute as in a compiled
 step: a forward issues the all-gather of the unit that came next in the last
 forward before it computes its own, and a backward issues the re-gather of the
-unit packed before the one it re-gathers (FSDP2's backward prefetch). Everything
+unit packed before the one it re-gathers (FSDP2's backward prefetch); units with
+prefetch hints (``set_modules_to_forward_prefetch``) prefetch the units named instead,
+and ``config.prefetch_depth`` / ``max_inflight_bytes`` bound the default prefetch
+as they bound compiled steps'. Everything
 here runs outside Dynamo (``torch.compiler.disable``).
 """
 
@@ -151,7 +154,8 @@ class _ForwardPrefetch:
         self.forwards = 0  # outermost eager forwards so far (an id for the running one)
 
     def gathered(self, unit: FSDPUnit) -> None:
-        """``unit`` was gathered by an eager forward: record it, and prefetch the next."""
+        """``unit`` was gathered by an eager forward: record it, and prefetch the next
+        (or the units ``unit.forward_prefetches`` names)."""
         if forward_context.depth == 1:
             self.outermost, self.order, self.on_track = unit, [], True
             self.forwards += 1
@@ -161,10 +165,18 @@ class _ForwardPrefetch:
         last = self.outermost.eager_forward_order
         position = len(self.order)
         self.on_track = self.on_track and position <= len(last) and last[position - 1] is unit
-        if self.on_track and position < len(last) and config.eager_overlap:
-            upcoming = last[position]
-            for bucket in _prefetchable_buckets(upcoming):
-                self.in_flight.append(_PrefetchedGather(tuple(bucket), shard_versions(bucket), issue_bucket_gather(bucket)))
+        if not config.eager_overlap:
+            return
+        if unit.forward_prefetches:
+            upcoming = unit.forward_prefetches
+        elif self.on_track and position < len(last) and prefetch_fits(unit, last[position]):
+            upcoming = [last[position]]
+        else:
+            upcoming = []
+        for target in upcoming:
+            for bucket in _prefetchable_buckets(target):
+                if not any(prefetched.params == tuple(bucket) for prefetched in self.in_flight):
+                    self.in_flight.append(_PrefetchedGather(tuple(bucket), shard_versions(bucket), issue_bucket_gather(bucket)))
 
     def take(self, bucket: list[FSDPParam]) -> AllGatherInFlight | None:
         """The prefetched all-gather of ``bucket`` if there is one and it is still valid."""
@@ -193,6 +205,25 @@ class _ForwardPrefetch:
 
 
 forward_prefetch = _ForwardPrefetch()
+
+
+def prefetch_fits(running: FSDPUnit, upcoming: FSDPUnit) -> bool:
+    """Whether the default prefetch of ``upcoming`` may run while ``running`` is gathered:
+    ``config.prefetch_depth`` at least 1, and both units' gathered bytes within
+    ``config.max_inflight_bytes`` (the bounds the reordering pass keeps in compiled steps;
+    eager prefetches one unit ahead at most)."""
+    if config.prefetch_depth < 1:
+        return False
+    limit = config.max_inflight_bytes
+    return limit is None or _gathered_bytes(running) + _gathered_bytes(upcoming) <= limit
+
+
+def _gathered_bytes(unit: FSDPUnit) -> int:
+    return sum(
+        p.layout.padded_numel * p.layout.world_size * (p.spec.param_dtype or p.sharded_param.dtype).itemsize
+        for p in unit.params
+        if p.layout is not None
+    )
 
 
 def _buckets(fsdp_params: list[FSDPParam], key_of) -> list[tuple[tuple | None, list[FSDPParam]]]:
@@ -259,24 +290,31 @@ def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
 def _prefetch_regather_before(slot: RegatherSlot) -> None:
     """Issue the re-gather of the unit whose open slot was packed last before ``slot`` in
     the same outermost forward (the unit whose backward comes next, when units run one
-    after another), in buckets, without waiting; the end of the backward waits on
-    whatever was not used. (Slots of other forwards may belong to graphs that are never
-    run backward, as FSDP2 prefetches within one root's forward order.)
+    after another), or of the units ``slot``'s unit names (``backward_prefetches``), in
+    buckets, without waiting; the end of the backward waits on whatever was not used.
+    (Slots of other forwards may belong to graphs that are never run backward, as FSDP2
+    prefetches within one root's forward order.)
 
     Every rank packs and unpacks the same saved tensors in the same order, so every
     rank issues the same collectives in the same order."""
-    earlier = [
+    unit = slot.fsdp_param.unit
+    if not config.eager_overlap:
+        return
+    same_forward = [
         other
         for other in _open_slots.values()
-        if other.forward == slot.forward
-        and other.seq < slot.seq
-        and _needs_regather(other)
-        and other.fsdp_param.unit is not slot.fsdp_param.unit
+        if other.forward == slot.forward and _needs_regather(other) and other.fsdp_param.unit is not unit
     ]
-    if not earlier or not config.eager_overlap or not call_at_end_of_backward(_drop_regathers_in_flight):
+    if unit.backward_prefetches:
+        targets = [other for other in same_forward if other.fsdp_param.unit in unit.backward_prefetches]
+    else:
+        earlier = [other for other in same_forward if other.seq < slot.seq]
+        upcoming = max(earlier, key=lambda other: other.seq).fsdp_param.unit if earlier else None
+        fits = upcoming is not None and prefetch_fits(unit, upcoming)
+        targets = [other for other in earlier if other.fsdp_param.unit is upcoming] if fits else []
+    if not targets or not call_at_end_of_backward(_drop_regathers_in_flight):
         return
-    unit = max(earlier, key=lambda other: other.seq).fsdp_param.unit
-    for first in [other for other in earlier if other.fsdp_param.unit is unit]:
+    for first in targets:
         if _needs_regather(first) and first.fsdp_param.regather_key() is not None:
             _RegatherInFlight.issue(_regather_bucket(first))
 

@@ -98,6 +98,9 @@ class FSDPUnit:
     # (FSDPModule.set_modules_to_forward_prefetch / _backward_prefetch hints).
     forward_prefetched_by: FSDPUnit | None = field(default=None, repr=False)
     backward_prefetched_by: FSDPUnit | None = field(default=None, repr=False)
+    # The units this unit's forward / backward prefetches (the same hints, from this side).
+    forward_prefetches: list[FSDPUnit] = field(default_factory=list, repr=False)
+    backward_prefetches: list[FSDPUnit] = field(default_factory=list, repr=False)
     # reshard_after_forward=<int>: the smaller group a shard is kept over after forward,
     # as (group name, group size, this rank's index in it); see CollectiveTag.reshard_to.
     reshard_to: tuple[str, int, int] | None = None

@@ -149,25 +149,34 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Issue the all-gathers of ``modules`` when this unit's forward starts (FSDP2's
-        explicit forward prefetch), instead of the default one-unit-ahead prefetch.
+        explicit forward prefetch), instead of the default one-unit-ahead prefetch;
+        a later call replaces the list (``[]``: back to the default).
 
-        A hint to the reordering pass of compiled graphs: each listed unit's
-        all-gather is issued right before this unit's all-gather is waited on, so
-        it overlaps this unit's forward. It overrides ``max_inflight_bytes`` for
-        those units and is ignored (logged) where the listed unit's all-gather
-        comes before this unit's. Eager runs gather on first use as before.
-        Changing hints recompiles graphs holding these units.
+        Compiled graphs: a hint to the reordering pass; each listed unit's all-gather
+        is issued right before this unit's all-gather is waited on, so it overlaps
+        this unit's forward. It overrides ``prefetch_depth`` and ``max_inflight_bytes``
+        for those units and is ignored (logged) where the listed unit's all-gather
+        comes before this unit's. Changing hints recompiles graphs holding these units.
+        Eager runs (``config.eager_overlap``): the listed units' all-gathers are issued
+        once this unit is gathered, in the order given.
         """
-        for unit in self._prefetch_targets("set_modules_to_forward_prefetch", modules):
-            unit.forward_prefetched_by = self._fsdp_unit
-            unit.refresh_specs()
+        self._set_prefetches("forward", self._prefetch_targets("set_modules_to_forward_prefetch", modules))
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Issue the backward all-gathers (re-gathers after ``reshard_after_forward``) of
-        ``modules`` when this unit's backward starts; see
-        :meth:`set_modules_to_forward_prefetch`."""
-        for unit in self._prefetch_targets("set_modules_to_backward_prefetch", modules):
-            unit.backward_prefetched_by = self._fsdp_unit
+        ``modules`` when this unit's backward starts (eager: when it re-gathers), instead
+        of the default one-unit-ahead prefetch; see :meth:`set_modules_to_forward_prefetch`."""
+        self._set_prefetches("backward", self._prefetch_targets("set_modules_to_backward_prefetch", modules))
+
+    def _set_prefetches(self, direction: str, units: list[FSDPUnit]) -> None:
+        me, by = self._fsdp_unit, f"{direction}_prefetched_by"
+        for unit in getattr(me, f"{direction}_prefetches"):
+            if getattr(unit, by) is me:
+                setattr(unit, by, None)
+                unit.refresh_specs()
+        setattr(me, f"{direction}_prefetches", units)
+        for unit in units:
+            setattr(unit, by, me)
             unit.refresh_specs()
 
     def _prefetch_targets(self, method: str, modules) -> list[FSDPUnit]:

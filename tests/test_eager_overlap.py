@@ -16,8 +16,8 @@ import fsdp_compile._eager as eager
 import fsdp_compile._eager_reduce as eager_reduce
 from fsdp_compile import config
 from fsdp_compile.testing import full_parameters
-from fsdp_compile.testing.models import MLPStack
-from tests.models import batch, fully_shard_of, loss_fn
+from fsdp_compile.testing.models import Llama, LlamaConfig, MLPStack
+from tests.models import batch, fully_shard_of, llama_units, loss_fn
 from tests.models import build as build_model
 
 
@@ -25,7 +25,12 @@ from tests.models import build as build_model
 
 
 def build(name: str):
-    """``tests.models.build``, and ``mlp_nobias``: units of one parameter each."""
+    """``tests.models.build``, and ``mlp_nobias``: units of one parameter each;
+    ``llama3``: the Llama with 3 layers."""
+    if name == "llama3":
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(n_layers=3))
+        return model, llama_units(model)
     if name != "mlp_nobias":
         return build_model(name)
     torch.manual_seed(0)
@@ -46,11 +51,11 @@ def _nothing_in_flight() -> bool:
 
 
 def _data(name: str, step: int):
-    return batch("mlp" if name == "mlp_nobias" else name, step)
+    return batch("mlp" if name == "mlp_nobias" else "llama" if name == "llama3" else name, step)
 
 
 def _loss(name: str, out, target):
-    return loss_fn("mlp" if name == "mlp_nobias" else name, out, target)
+    return loss_fn("mlp" if name == "mlp_nobias" else "llama" if name == "llama3" else name, out, target)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,15 +135,26 @@ def _recording(events: list, model) -> None:
             handle.remove()
 
 
-def _train(name: str, steps: int, overlap: bool, events: list | None = None, skip: tuple[int, int] | None = None) -> dict:
+def _train(
+    name: str,
+    steps: int,
+    overlap: bool,
+    events: list | None = None,
+    skip: tuple[int, int] | None = None,
+    hints=None,
+    **config_changes,
+) -> dict:
     """``steps`` eager AdamW steps of a model sharded per block and at the root;
     ``events``: filled with every step's events (a list per step); ``skip``: (step,
-    layer) that step's root forward leaves out."""
+    layer) that step's root forward leaves out; ``hints``: called with the model
+    (prefetch hints); ``config_changes``: ``fsdp_compile.config`` for the run."""
     model, units = _sharded(name)
+    if hints is not None:
+        hints(model)
     layers = list(model.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    with config.patch(eager_overlap=overlap):
+    with config.patch(eager_overlap=overlap, **config_changes):
         for step in range(steps):
             model.layers = torch.nn.ModuleList(m for i, m in enumerate(layers) if (step, i) != skip)
             x, y = _data(name, step)
@@ -161,6 +177,38 @@ def prefetch_trace(name: str) -> tuple[list, int]:
     events: list = []
     _train(name, 2, True, events)
     return events, len(build(name)[0].layers)
+
+
+def _forward_hint(model) -> None:
+    model.layers[0].set_modules_to_forward_prefetch([model.layers[2]])
+
+
+def _backward_hint(model) -> None:
+    model.layers[2].set_modules_to_backward_prefetch([model.layers[0]])
+
+
+def _layer_bytes(name: str) -> int:
+    """Gathered bytes of the model's largest sharded layer (fp32, padded to 2 ranks)."""
+    model, _ = build(name)
+    return max(sum(4 * (p.numel() + p.numel() // p.shape[0] * (p.shape[0] % 2)) for p in layer.parameters()) for layer in model.layers)
+
+
+def steered_prefetch_trace(name: str, how: str) -> dict:
+    """The prefetch trace of 2 steps under ``how`` (config bounds or prefetch hints),
+    and whether 3 steps with it match 3 steps without overlap, bitwise."""
+    layer = _layer_bytes(name)
+    kwargs = {
+        "depth 0": {"prefetch_depth": 0},
+        "bytes of one layer": {"max_inflight_bytes": layer},
+        "bytes of two layers": {"max_inflight_bytes": 2 * layer},
+        "forward hint": {"hints": _forward_hint},
+        "backward hint": {"hints": _backward_hint},
+    }[how]
+    events: list = []
+    _train(name, 2, True, events, **kwargs)
+    steered, plain = _train(name, 3, True, **kwargs), _train(name, 3, False)
+    _assert_bitwise(steered, plain)
+    return {"events": [[e[:3] for e in step] for step in events]}
 
 
 def prefetched_and_not(name: str) -> dict:
@@ -378,6 +426,47 @@ def test_forward_prefetches_the_next_unit_and_backward_the_previous(pool2, name)
         if later_in_backward in layers[regathered.start : regathered.stop]:
             assert second.index(("land", later_in_backward)) < finished, second
     assert sorted(e[1] for e in second if e[0] == "reduce finished") == sorted(reduced)
+
+
+def _issued(events: list, role: str) -> list[str]:
+    return [e[1] for e in events if e[0] == "issue" and e[2] == role]
+
+
+@pytest.mark.parametrize("how", ["depth 0", "bytes of one layer", "bytes of two layers"])
+def test_prefetch_depth_and_max_inflight_bytes_bound_the_eager_prefetch(pool2, how):
+    """As in compiled steps: no prefetch at depth 0, none where the running unit and the
+    next one together exceed ``max_inflight_bytes``, the usual ones where they fit."""
+    first, second = pool2.run(steered_prefetch_trace, "llama3", how)[0]["events"]
+    if how == "bytes of two layers":  # (the root keeps its weights: nothing re-gathers before layers.2)
+        assert _issued(second, "UNSHARD") == ["layers.0", "layers.1", "layers.2"], second
+        assert _issued(first, "REGATHER") == _issued(second, "REGATHER") == ["layers.1", "layers.0"], second
+    else:
+        assert _issued(first, "UNSHARD") == _issued(second, "UNSHARD") == [], second
+        assert _issued(first, "REGATHER") == _issued(second, "REGATHER") == [], second
+        assert all(not e[2] for e in second if e[0] == "gather")
+
+
+def test_prefetch_hints_name_what_eager_prefetches(pool2):
+    """``layers[0].set_modules_to_forward_prefetch([layers[2]])``: layers.2's all-gather is
+    issued once layers.0 is gathered, from the first step on, and layers.1 is gathered when
+    it runs; the results match a run without overlap bit for bit."""
+    first, second = pool2.run(steered_prefetch_trace, "mlp", "forward hint")[0]["events"]
+    assert _issued(first, "UNSHARD") == ["layers.2"], first
+    assert first.index(("issue", "layers.2", "UNSHARD")) < first.index(("computed", "layers.0")), first
+    assert ("gather", "layers.2", True) in first and ("gather", "layers.1", False) in first, first
+    # The second step: the root's default prefetch (layers.0), then the hint.
+    assert _issued(second, "UNSHARD") == ["layers.0", "layers.2"], second
+    assert ("gather", "layers.1", False) in second, second
+
+
+def test_backward_prefetch_hint_names_what_eager_re_gathers_next(pool2):
+    """``layers[2].set_modules_to_backward_prefetch([layers[0]])`` on a 3-layer Llama:
+    layers.2's re-gather prefetches layers.0's instead of layers.1's (which then
+    re-gathers when its backward needs it)."""
+    first, second = pool2.run(steered_prefetch_trace, "llama3", "backward hint")[0]["events"]
+    for events in (first, second):
+        assert _issued(events, "REGATHER") == ["layers.0"], events
+        assert ("land", "layers.0") in events and ("land", "layers.1") not in events, events
 
 
 @pytest.mark.parametrize("name", ["mlp", "mlp_nobias", "llama"])
