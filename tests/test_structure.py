@@ -394,3 +394,18 @@ def test_graphs_alike_but_for_their_tags_do_not_share_a_cache_entry(fake_pg):
         hinted = _compile_a_sharded_mlp(prefetch_hint=True)
     assert hinted.get("fxgraph_cache_hit", 0) == 0 and hinted.get("fxgraph_cache_miss") == 2, hinted
     assert hinted.get("autograd_cache_hit", 0) == 0, hinted
+
+
+def test_a_later_prefetch_hint_replaces_the_earlier(fake_pg):
+    """As in FSDP2, ``set_modules_to_forward_prefetch`` sets the list: a unit left out of a
+    later call is no longer prefetched by this one (nor tagged so for the passes)."""
+    model = shard_blocks(MLPStack(dim=16, n_layers=3))
+    first, second, third = (layer._fsdp_unit for layer in model.layers)
+    model.layers[0].set_modules_to_forward_prefetch([model.layers[1], model.layers[2]])
+    model.layers[0].set_modules_to_forward_prefetch([model.layers[2]])
+    assert first.forward_prefetches == [third]
+    assert second.forward_prefetched_by is None and third.forward_prefetched_by is first
+    assert all(p.spec.tag.forward_prefetched_by is None for p in second.params)
+    assert all(p.spec.tag.forward_prefetched_by == first.fqn for p in third.params)
+    model.layers[0].set_modules_to_forward_prefetch([])
+    assert first.forward_prefetches == [] and third.forward_prefetched_by is None
