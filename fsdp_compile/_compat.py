@@ -340,6 +340,13 @@ def running_backward_id() -> int | None:
     return None if task == -1 else task
 
 
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing the running backward (``torch._dynamo.compiled_autograd``)."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.in_compiled_autograd_region)
+
+
 def queue_end_of_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the running backward finishes without error
     (``Variable._execution_engine.queue_callback``, what FSDP2's root post-backward uses)."""

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from fsdp_compile import config
-from fsdp_compile._compat import queue_end_of_backward_callback, running_backward_id
+from fsdp_compile._compat import in_compiled_autograd, queue_end_of_backward_callback, running_backward_id
 from fsdp_compile.runtime.unit_collectives import ReduceScatterInFlight
 
 
@@ -44,9 +44,10 @@ _at_end: dict[int, list[Callable[[], None]]] = {}
 
 def call_at_end_of_backward(fn: Callable[[], None]) -> bool:
     """Run ``fn`` once when the running backward ends (once per backward however often
-    it is asked); False, and nothing queued, outside a backward."""
+    it is asked); False, and nothing queued, outside a backward or under compiled
+    autograd (which traces the backward instead of running it)."""
     backward = running_backward_id()
-    if backward is None:
+    if backward is None or in_compiled_autograd():
         return False
     fns = _at_end.get(backward)
     if fns is None:
@@ -87,6 +88,13 @@ class _PendingReductions:
         the oldest are finished first, so their buffers are freed before the new one is
         made (compiled steps keep the same bound, ``passes.pinning``). The oldest may be
         an enclosing backward's (reentrant checkpointing): it is finished all the same."""
+        if in_compiled_autograd():
+            raise RuntimeError(
+                "fsdp_compile: an eager forward of a sharded unit was run backward under compiled "
+                "autograd, which cannot defer its reduce-scatters; set "
+                "fsdp_compile.config.eager_overlap = False before that forward, or torch.compile "
+                "the model (its graphs carry their own collectives)"
+            )
         # Outside a plain backward (create_graph, or none running) nothing waits later.
         depth = config.reduce_scatter_depth if not torch.is_grad_enabled() and call_at_end_of_backward(self.finish_all) else 0
         while self.pending and len(self.pending) >= depth:

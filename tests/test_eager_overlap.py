@@ -347,6 +347,45 @@ def reentrant_checkpointing(name: str) -> dict:
     return {overlap: run(overlap) for overlap in (True, False)}
 
 
+def under_compiled_autograd(name: str) -> dict:
+    """One eager step whose backward runs under compiled autograd, with overlap (the
+    error) and without (the gradients, against a plain backward's)."""
+    from torch._dynamo import compiled_autograd
+
+    def step(overlap: bool, compiled: bool):
+        torch._dynamo.reset()
+        model, units = _sharded(name)
+        x, y = _data(name, 0)
+        with config.patch(eager_overlap=overlap):
+            loss = _loss(name, model(_local(x)), _local(y))
+            ctx = compiled_autograd._enable(torch.compile(backend="eager")) if compiled else contextlib.nullcontext()
+            with ctx:
+                loss.backward()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    def compiled_step():
+        """Forward and backward in one compiled function, under compiled autograd."""
+        torch._dynamo.reset()
+        model, units = _sharded(name)
+        x, y = _data(name, 0)
+
+        def forward_backward(x, y):
+            loss = _loss(name, model(x), y)
+            loss.backward()
+            return loss
+
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(forward_backward, backend="aot_eager")(_local(x), _local(y))
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    try:
+        step(True, True)
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    return {"error": error, "compiled": step(False, True), "plain": step(False, False), "compiled step": compiled_step()}
+
+
 def grad_without_overlap(name: str) -> dict:
     """``torch.autograd.grad`` with respect to the sharded parameters (overlap off) against
     ``.backward()``."""
@@ -505,6 +544,18 @@ def test_a_backward_that_raises_leaves_nothing_behind(pool2):
 def test_reentrant_checkpointing_nests_backwards_without_losing_a_gradient(pool2, name):
     for rank_result in pool2.run(reentrant_checkpointing, name):
         _assert_bitwise(rank_result[True], rank_result[False])
+
+
+def test_compiled_autograd_over_an_eager_forward_needs_the_overlap_off(pool2):
+    """Compiled autograd traces the backward, so reduce-scatters cannot be deferred: a
+    clear error says what to do, and with the overlap off the gradients are exact; a
+    compiled forward-and-backward under compiled autograd needs nothing (aot_eager: the
+    same arithmetic)."""
+    for rank_result in pool2.run(under_compiled_autograd, "mlp"):
+        assert "compiled autograd" in rank_result["error"] and "eager_overlap = False" in rank_result["error"], rank_result["error"]
+        for a, b, c in zip(rank_result["compiled"], rank_result["plain"], rank_result["compiled step"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(c, b, rtol=0, atol=0)
 
 
 def test_autograd_grad_reaches_sharded_parameters_without_overlap(pool2):
