@@ -328,3 +328,110 @@ def test_hsdp_tp_on_8_real_ranks_matches_reference_and_fsdp2(rank_pools):
     ours = pool8.run(train, "ours", True, 2, True)[0]
     assert ours["placements"] == fsdp2["placements"]
     assert _max_gap(fsdp2, reference) < 1e-5 and _max_gap(ours, reference) < 1e-5
+
+
+# ------------------------------------------------- a transformers model, torchtitan's plan
+
+HF_VOCAB, HF_SEQ = 128, 16
+
+
+def _hf_llama():
+    """``transformers``' Llama: grouped-query attention (4 query heads, 2 key/value heads:
+    one of each per TP rank), untied embedding and LM head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ,
+        attn_implementation="sdpa", tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _hf_llama_tp_plan() -> tuple[dict, dict]:
+    """(root, block): a vocabulary-parallel embedding, an LM head whose logits stay
+    sharded over the vocabulary for ``loss_parallel``, Megatron's attention and MLP."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    root = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(use_local_output=False),
+    }
+    block = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    return root, block
+
+
+def train_hf_llama(variant: str, steps: int = STEPS) -> dict:
+    """Like :func:`train`, on ``transformers``' Llama with :func:`_hf_llama_tp_plan`; the
+    loss (and its backward) under ``loss_parallel`` on the vocabulary-sharded logits."""
+    import contextlib
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing import full_parameters
+    from tests.models import compile_counting_graphs, fully_shard_of, shard_blocks
+
+    reset_dynamo()
+    model = _hf_llama()
+    kind, _, backend = variant.partition(":")
+    dp_rank, dp_size = 0, 1
+    if kind != "reference":
+        mesh = _mesh()
+        dp_rank, dp_size = dist.get_rank() // 2, 2
+        root_plan, block_plan = _hf_llama_tp_plan()
+        parallelize_module(model, mesh["tp"], root_plan)
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], block_plan)
+        shard_blocks(model, fully_shard_of(kind), blocks=model.model.layers, mesh=mesh["dp"], root_too=True)
+    run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, params = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        tokens = torch.randint(0, HF_VOCAB, (4, HF_SEQ + 1), generator=g).chunk(dp_size)[dp_rank]
+        with loss_parallel() if kind != "reference" else contextlib.nullcontext():
+            logits = run(tokens[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, HF_VOCAB), tokens[:, 1:].reshape(-1))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach().clone()
+        if kind != "reference":
+            dist.all_reduce(global_loss)
+            global_loss /= dist.get_world_size()
+        losses.append(global_loss.item())
+        params.append(full_parameters(model))
+    placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
+    return {"losses": losses, "params": params, "graphs": counter.frame_count if counter else None, "placements": placements}
+
+
+def test_transformers_llama_with_loss_parallel_matches_reference_and_fsdp2(pool4):
+    """A ``transformers`` model under a TP plan of its own shapes (GQA heads, vocabulary-
+    parallel embedding, ``loss_parallel`` on DTensor logits the compiled graph hands back):
+    ours eager and FSDP2 + TP match the single-process reference; aot_eager is bitwise
+    eager in one graph."""
+    pytest.importorskip("transformers")
+    reference = pool4.run(train_hf_llama, "reference")[0]
+    fsdp2 = pool4.run(train_hf_llama, "fsdp2")[0]
+    ours_eager = pool4.run(train_hf_llama, "ours")[0]
+    ours_aot = pool4.run(train_hf_llama, "ours:aot_eager")[0]
+    assert ours_eager["placements"] == fsdp2["placements"]
+    # Vocabulary-parallel rows, then FSDP's rows within them: FSDP2's strided layout.
+    assert ours_eager["placements"]["lm_head.weight"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
+    assert _max_gap(fsdp2, reference) < 1e-5
+    assert _max_gap(ours_eager, reference) < 1e-5
+    assert _max_gap(ours_aot, ours_eager) == 0.0
+    assert ours_aot["graphs"] == 1
