@@ -49,29 +49,47 @@ def train(variant: str, sequence_parallel: bool = False, steps: int = STEPS, hsd
     import torch.distributed as dist
 
     from fsdp_compile._compat import reset_dynamo
-    from fsdp_compile.testing import full_parameters
-    from tests.models import compile_counting_graphs, fully_shard_of
+    from tests.models import fully_shard_of
 
     reset_dynamo()
     model = tp_models.build()
-    dp_rank, dp_size = 0, 1
-    kind, _, backend = variant.partition(":")
+    kind = variant.partition(":")[0]
     if kind != "reference":
         mesh = _mesh() if not hsdp else _hsdp_tp_mesh(dist.get_world_size())[1]
-        dp_rank, dp_size = dist.get_rank() // 2, dist.get_world_size() // 2  # tp is the last dim, of size 2
         parallelize(model, mesh, sequence_parallel, fully_shard_of(kind))
+
+    def step_loss(run, step: int, shard_batch) -> torch.Tensor:
+        tokens, targets = map(shard_batch, tp_models.batch(step))
+        loss = tp_models.loss(run(tokens), targets)
+        loss.backward()
+        return loss
+
+    return _train_steps(model, variant, steps, step_loss)
+
+
+def _train_steps(model, variant: str, steps: int, step_loss) -> dict:
+    """SGD steps of ``model`` (already parallelized unless ``variant`` is ``"reference"``),
+    compiled with ``fullgraph=True`` for ``"<kind>:<backend>"``. ``step_loss(run, step,
+    shard_batch)`` runs one forward and backward on this data-parallel rank's part of
+    the global batch (``shard_batch`` cuts it; tp is the last mesh dim, of size 2) and
+    returns the local loss. Returns the global losses, the full parameters after each
+    step, the compiled graph count and the DTensor placements."""
+    import torch.distributed as dist
+
+    from fsdp_compile.testing import full_parameters
+    from tests.models import compile_counting_graphs
+
+    kind, _, backend = variant.partition(":")
+    dp_rank, dp_size = (0, 1) if kind == "reference" else (dist.get_rank() // 2, dist.get_world_size() // 2)
     run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, params = [], []
     for step in range(steps):
-        tokens, targets = tp_models.batch(step)
-        tokens, targets = tokens.chunk(dp_size)[dp_rank], targets.chunk(dp_size)[dp_rank]
-        loss = tp_models.loss(run(tokens), targets)
-        loss.backward()
+        loss = step_loss(run, step, lambda t: t.chunk(dp_size)[dp_rank])
         opt.step()
         opt.zero_grad()
-        global_loss = loss.detach().clone()
-        if variant != "reference":
+        global_loss = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach().clone()
+        if kind != "reference":
             dist.all_reduce(global_loss)
             global_loss /= dist.get_world_size()
         losses.append(global_loss.item())
@@ -372,50 +390,37 @@ def _hf_llama_tp_plan() -> tuple[dict, dict]:
 
 
 def train_hf_llama(variant: str, steps: int = STEPS) -> dict:
-    """Like :func:`train`, on ``transformers``' Llama with :func:`_hf_llama_tp_plan`; the
-    loss (and its backward) under ``loss_parallel`` on the vocabulary-sharded logits."""
+    """:func:`train` on ``transformers``' Llama with :func:`_hf_llama_tp_plan`; the loss
+    (and its backward) under ``loss_parallel`` on the vocabulary-sharded logits."""
     import contextlib
 
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from fsdp_compile._compat import reset_dynamo
-    from fsdp_compile.testing import full_parameters
-    from tests.models import compile_counting_graphs, fully_shard_of, shard_blocks
+    from tests.models import fully_shard_of, shard_blocks
 
     reset_dynamo()
     model = _hf_llama()
-    kind, _, backend = variant.partition(":")
-    dp_rank, dp_size = 0, 1
+    kind = variant.partition(":")[0]
     if kind != "reference":
         mesh = _mesh()
-        dp_rank, dp_size = dist.get_rank() // 2, 2
         root_plan, block_plan = _hf_llama_tp_plan()
         parallelize_module(model, mesh["tp"], root_plan)
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], block_plan)
         shard_blocks(model, fully_shard_of(kind), blocks=model.model.layers, mesh=mesh["dp"], root_too=True)
-    run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses, params = [], []
-    for step in range(steps):
+
+    def step_loss(run, step: int, shard_batch) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 + step)
-        tokens = torch.randint(0, HF_VOCAB, (4, HF_SEQ + 1), generator=g).chunk(dp_size)[dp_rank]
+        tokens = shard_batch(torch.randint(0, HF_VOCAB, (4, HF_SEQ + 1), generator=g))
         with loss_parallel() if kind != "reference" else contextlib.nullcontext():
             logits = run(tokens[:, :-1]).logits
             loss = F.cross_entropy(logits.reshape(-1, HF_VOCAB), tokens[:, 1:].reshape(-1))
             loss.backward()
-        opt.step()
-        opt.zero_grad()
-        global_loss = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach().clone()
-        if kind != "reference":
-            dist.all_reduce(global_loss)
-            global_loss /= dist.get_world_size()
-        losses.append(global_loss.item())
-        params.append(full_parameters(model))
-    placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
-    return {"losses": losses, "params": params, "graphs": counter.frame_count if counter else None, "placements": placements}
+        return loss
+
+    return _train_steps(model, variant, steps, step_loss)
 
 
 def test_transformers_llama_with_loss_parallel_matches_reference_and_fsdp2(pool4):
