@@ -348,7 +348,7 @@ def test_hsdp_tp_on_8_real_ranks_matches_reference_and_fsdp2(rank_pools):
     assert _max_gap(fsdp2, reference) < 1e-5 and _max_gap(ours, reference) < 1e-5
 
 
-# ------------------------------------------------- a transformers model, torchtitan's plan
+# ------------------------------------------ a transformers model under a plan of its own
 
 HF_VOCAB, HF_SEQ = 128, 16
 
