@@ -32,6 +32,15 @@ def fail_on_rank(bad_rank: int):
     dist.barrier()  # the healthy rank blocks in a collective, as it would in a real job
 
 
+def crash_on_rank(bad_rank: int):
+    """A native crash (SIGABRT, as glibc raises on heap corruption) on ``bad_rank``."""
+    import os
+
+    if dist.get_rank() == bad_rank:
+        os.abort()
+    dist.barrier()
+
+
 def rank_and_world():
     return dist.get_rank(), dist.get_world_size()
 
@@ -142,6 +151,17 @@ def test_pool_reports_failing_rank_and_recovers(pool2):
         match=r"(?s)rank 0 ---\ndid not answer.*where it was:\n.*line \d+ in fail_on_rank.*rank 1 ---\n.*ZeroDivisionError",
     ):
         pool2.run(fail_on_rank, 1, timeout_s=60)
+    assert pool2.run(rank_and_world) == [(0, 2), (1, 2)]
+
+
+def test_pool_reports_a_native_crash_with_signal_and_stack(pool2):
+    """A rank killed by a signal is reported as such, with the Python stack it died in
+    (faulthandler): a heap corruption in CI otherwise said only "process died"."""
+    with pytest.raises(
+        RankFailure,
+        match=r"(?s)rank 1 ---\nprocess died \(killed by SIGABRT\); its Python stacks when it died:\n.*line \d+ in crash_on_rank",
+    ):
+        pool2.run(crash_on_rank, 1, timeout_s=60)
     assert pool2.run(rank_and_world) == [(0, 2), (1, 2)]
 
 

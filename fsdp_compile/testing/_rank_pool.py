@@ -37,9 +37,12 @@ def _free_port() -> int:
 def _worker_main(
     rank: int, world_size: int, port: int, backend: str, conn: Connection, pg_timeout_s: float, stack_file: str
 ) -> None:
-    # On SIGUSR1 (sent by the parent to a rank that hangs) every thread's Python
+    # On SIGUSR1 (sent by the parent to a rank that hangs), and on a fatal signal (a
+    # native crash: SIGSEGV, or SIGABRT from a heap check), every thread's Python
     # stack goes to ``stack_file``, which the parent puts in its report.
-    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)  # noqa: SIM115 - kept open
+    stacks = open(stack_file, "w")  # noqa: SIM115 - kept open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -174,14 +177,14 @@ class RankPool:
                     if self._procs[rank].is_alive():
                         errors[rank] = "did not answer in time (hung in a collective?); where it was:\n" + self._stack_of(rank)
                     else:
-                        errors[rank] = f"process died (exit code {self._procs[rank].exitcode})"
+                        errors[rank] = self._death_of(rank)
                 break
             for conn in ready:
                 rank = next(r for r, c in pending.items() if c is conn)
                 try:
                     kind, payload = conn.recv()
                 except EOFError:
-                    kind, payload = "error", f"process died (exit code {self._procs[rank].exitcode})"
+                    kind, payload = "error", self._death_of(rank)
                 del pending[rank]
                 if kind == expect:
                     results[rank] = payload
@@ -196,6 +199,22 @@ class RankPool:
         return results
 
     _first_error_at = 0.0
+
+    def _death_of(self, rank: int) -> str:
+        """How a rank that closed its pipe died: its exit code or signal, and the Python
+        stacks faulthandler wrote if a fatal signal killed it."""
+        proc = self._procs[rank]
+        proc.join(timeout=5)  # a crashing process closes its pipe before it is reaped
+        code = proc.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        text = ""
+        if rank < len(self._stack_files):
+            try:
+                with open(self._stack_files[rank]) as f:
+                    text = f.read()
+            except OSError:
+                pass
+        return f"process died ({how})" + (f"; its Python stacks when it died:\n{text[-6000:]}" if text else "")
 
     def _stack_of(self, rank: int) -> str:
         """The Python stacks of a live rank's threads, via SIGUSR1 (faulthandler marks the
