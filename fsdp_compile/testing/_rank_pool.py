@@ -24,6 +24,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # e.g. a real-time signal
+        return f"signal {number}"
+
+
 class RankFailure(RuntimeError):
     """One or more ranks raised (or hung) while running a function."""
 
@@ -206,7 +213,7 @@ class RankPool:
         proc = self._procs[rank]
         proc.join(timeout=5)  # a crashing process closes its pipe before it is reaped
         code = proc.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        how = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exit code {code}"
         text = ""
         if rank < len(self._stack_files):
             try:
