@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,8 +36,6 @@ def fail_on_rank(bad_rank: int):
 
 def crash_on_rank(bad_rank: int):
     """A native crash (SIGABRT, as glibc raises on heap corruption) on ``bad_rank``."""
-    import os
-
     if dist.get_rank() == bad_rank:
         os.abort()
     dist.barrier()

@@ -214,28 +214,30 @@ class RankPool:
         proc.join(timeout=5)  # a crashing process closes its pipe before it is reaped
         code = proc.exitcode
         how = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exit code {code}"
-        text = ""
-        if rank < len(self._stack_files):
-            try:
-                with open(self._stack_files[rank]) as f:
-                    text = f.read()
-            except OSError:
-                pass
-        return f"process died ({how})" + (f"; its Python stacks when it died:\n{text[-6000:]}" if text else "")
+        try:
+            text = self._read_stack_file(rank)
+        except OSError:
+            text = ""
+        return f"process died ({how})" + (f"; its Python stacks when it died:\n{text}" if text else "")
+
+    def _read_stack_file(self, rank: int) -> str:
+        """The end of what faulthandler wrote for ``rank`` (raises ``OSError`` if unreadable)."""
+        if rank >= len(self._stack_files):
+            return ""
+        with open(self._stack_files[rank]) as f:
+            return f.read()[-6000:]
 
     def _stack_of(self, rank: int) -> str:
         """The Python stacks of a live rank's threads, via SIGUSR1 (faulthandler marks the
         thread that took the signal, normally the main one, "Current thread")."""
-        path = self._stack_files[rank] if rank < len(self._stack_files) else None
-        if path is None:
+        if rank >= len(self._stack_files):
             return "(no stack)"
         try:
             os.kill(self._procs[rank].pid, signal.SIGUSR1)
             time.sleep(1.0)
-            with open(path) as f:
-                text = f.read()
+            text = self._read_stack_file(rank)
         except OSError as e:
             return f"(no stack: {e})"
-        return text[-6000:] if text else "(no stack written)"
+        return text or "(no stack written)"
 
 
