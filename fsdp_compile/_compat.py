@@ -254,6 +254,15 @@ def inside_compiled_call() -> bool:
     return bool(get_eval_frame_callback())
 
 
+def run_by_compiled_code(frame) -> bool:
+    """torch/_dynamo/utils.py ``orig_code_map``: whether ``frame`` runs bytecode Dynamo
+    generated (a compiled frame, which after its graph replays the side effects the
+    graph recorded, such as hooks the traced code registered on parameters)."""
+    from torch._dynamo.utils import orig_code_map
+
+    return frame is not None and frame.f_code in orig_code_map
+
+
 def get_joint_custom_pass() -> Callable | None:
     """torch/_functorch/config.py: a callable run on the joint graph before partitioning."""
     return functorch_config.joint_custom_pass
@@ -317,6 +326,15 @@ def strided_shard(dim: int, split_factor: int):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement) -> bool:
+    """Whether ``placement`` is a ``_StridedShard`` (not a subclass of ``Shard``): what
+    tensor parallelism uses for a packed weight (e.g. ``transformers``' ``packed_colwise``
+    on a gate and up projection stored as one tensor)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
 
 
 def outside_dispatch_modes():
@@ -448,6 +466,8 @@ __all__ = [
     "concatenate_meshes",
     "group_ranks",
     "strided_shard",
+    "run_by_compiled_code",
+    "is_strided_shard",
     "compile_fx_up_to_post_grad",
     "in_backward_recompute",
     "outside_dispatch_modes",

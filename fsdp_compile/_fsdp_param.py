@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_compile._compat import fx_annotate
 from fsdp_compile._eager_reduce import defers_reduction, pending_reductions
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
 from fsdp_compile.runtime.collectives import (
     CollectiveSpec,
@@ -108,8 +109,9 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         # Carry over attributes users hang on parameters (e.g. ``_no_weight_decay``).
         for key, value in vars(param).items():
-            if not key.startswith("_fsdp"):
+            if not key.startswith("_fsdp") and key != "register_post_accumulate_grad_hook":
                 setattr(self.sharded_param, key, value)
+        route_forward_hooks_to_local_shard(self.sharded_param, local_fqn)
         self.state = ParamState.SHARDED
         self.gathered: torch.Tensor | None = None
         # With set_reshard_after_backward(False): the full tensor (dim 0 first, no autograd)

@@ -631,12 +631,19 @@ def _managed_param_property(name: str) -> property:
 
 def _read_managed(module: nn.Module, name: str):
     """A managed parameter's value: the full tensor inside a sharded forward (or while
-    held by ``unshard()``), else the sharded ``nn.Parameter``."""
+    held by ``unshard()``), else the sharded ``nn.Parameter``.
+
+    Code that runs a module on its parameters' local tensors swaps each ``DTensor``
+    parameter in ``module._parameters`` for its ``to_local()`` around the module's forward
+    (``transformers``' tensor-parallel MoE experts do). Under FSDP2 the registered
+    parameter there is the unsharded one, so the module computes with the gathered
+    parameter's local tensor; a read that finds the registered entry swapped for a plain
+    tensor during a sharded forward returns just that."""
     fsdp_param = module._fsdp_params[name]
     if fsdp_param.state is not ParamState.SHARDED:
-        # Gathered already. Checked before touching the sharded DTensor, so a
+        # Gathered already. Checked before computing with the sharded DTensor, so a
         # checkpointed region (a subgraph under compile) takes only this plain tensor.
-        return fsdp_param.gathered
+        return _local_if_swapped(fsdp_param.gathered, module._parameters[name], fsdp_param)
     param = module._parameters[name]
     if not forward_context.frames:  # no sharded forward running
         if not torch.compiler.is_compiling() and in_backward_recompute():
@@ -644,9 +651,20 @@ def _read_managed(module: nn.Module, name: str):
             # checkpointed region outside the unit's forward; it needs the values only.
             return _eager.gather_for_recompute(fsdp_param)
         return param
+    if param is not fsdp_param.sharded_param:
+        # Swapped for its local tensor: gather from the sharded parameter itself.
+        return _local_if_swapped(allow_side_effects(fsdp_param.gather, fsdp_param.sharded_param), param, fsdp_param)
     # Caching the gathered tensor is a side effect, allowed inside an activation-
     # checkpointing region (e.g. checkpoint(layer) around a sharded layer).
     return allow_side_effects(fsdp_param.gather, param)
+
+
+def _local_if_swapped(full: torch.Tensor, registered: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
+    """``full``, or its local tensor where the registered entry was swapped for a plain
+    tensor (see :func:`_read_managed`)."""
+    if registered is fsdp_param.sharded_param or isinstance(registered, DTensor):
+        return full
+    return full.to_local() if isinstance(full, DTensor) else full
 
 
 # Reads from eager code between the graphs of a compiled step that broke run outside

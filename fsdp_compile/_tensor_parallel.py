@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_compile._compat import concatenate_meshes
+from fsdp_compile._compat import concatenate_meshes, is_strided_shard
 from fsdp_compile.runtime.process_groups import label_mesh_groups
 
 
@@ -39,7 +39,7 @@ class TensorParallelSpec:
         """Into how many pieces TP splits dimension ``dim``."""
         n = 1
         for size, placement in zip(self.mesh.shape, self.placements):
-            if isinstance(placement, Shard) and placement.dim % len(self.shape) == dim:
+            if _splits_a_dim(placement) and placement.dim % len(self.shape) == dim:
                 n *= size
         return n
 
@@ -56,10 +56,11 @@ def check_tensor_parallel_param(param: DTensor, fqn: str, dp_mesh: DeviceMesh, u
             f"fully_shard({unit_name}): parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh "
             f"{tp_mesh.mesh_dim_names}; FSDP + tensor parallelism supports a 1-D TP mesh"
         )
-    if any(type(p) not in (Shard, Replicate) for p in param.placements):
+    if not all(_splits_a_dim(p) or isinstance(p, Replicate) for p in param.placements):
         raise NotImplementedError(
             f"fully_shard({unit_name}): parameter {fqn!r} has placements {tuple(param.placements)}; "
-            "FSDP can shard further only Shard(d) or Replicate() tensor-parallel parameters"
+            "FSDP can shard further only Shard(d), _StridedShard(d) or Replicate() tensor-parallel "
+            "parameters (a Partial() parameter must be reduced first)"
         )
     if dp_mesh.mesh_dim_names is not None and tp_mesh.mesh_dim_names is not None:
         shared = set(dp_mesh.mesh_dim_names) & set(tp_mesh.mesh_dim_names)
@@ -79,6 +80,11 @@ def check_tensor_parallel_param(param: DTensor, fqn: str, dp_mesh: DeviceMesh, u
             'Build one mesh, e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp")), apply '
             'parallelize_module on mesh["tp"], then fully_shard(module, mesh=mesh["dp"])'
         ) from e
+
+
+def _splits_a_dim(placement) -> bool:
+    """``Shard(d)``, or ``_StridedShard(d)`` (a packed weight's interleaved split of ``d``)."""
+    return isinstance(placement, Shard) or is_strided_shard(placement)
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp: TensorParallelSpec) -> DeviceMesh:

@@ -440,3 +440,78 @@ def test_transformers_llama_with_loss_parallel_matches_reference_and_fsdp2(pool4
     assert _max_gap(ours_eager, reference) < 1e-5
     assert _max_gap(ours_aot, ours_eager) == 0.0
     assert ours_aot["graphs"] == 1
+
+
+# ------------------------------------------ transformers' own tensor-parallel plans
+
+
+def _hf_model(arch: str):
+    """A small ``transformers`` model of ``arch`` whose own ``tp_plan`` uses what the plans
+    above do not. Qwen3: per-head q/k norms under ``replicated_with_grad_allreduce``, whose
+    forward registers a gradient hook that all-reduces over TP. Mixtral: MoE experts whose
+    gate and up weights are one ``packed_colwise`` tensor (``_StridedShard``), run by
+    ``moe_tp_experts`` on their local tensors (swapped into ``_parameters`` around the call)."""
+    import transformers
+
+    common = dict(
+        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ,
+        tie_word_embeddings=False,
+    )
+    extra = {"qwen3": dict(head_dim=16), "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}[arch]
+    config = transformers.AutoConfig.for_model(arch, **common, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def train_hf_own_plan(variant: str, arch: str, steps: int = STEPS) -> dict:
+    """:func:`train` on :func:`_hf_model` parallelized by ``transformers`` itself with the
+    model's own TP plan (``from_pretrained(distributed_config=...)`` applies the same
+    plan, expanded per layer, with the same function), then ``fully_shard`` on ``mesh["dp"]``
+    per decoder layer and on the root; ``"tp_only:<backend>"``: TP alone."""
+    import torch.nn.functional as F
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from fsdp_compile._compat import reset_dynamo
+    from tests.models import fully_shard_of, shard_blocks
+
+    reset_dynamo()
+    model = _hf_model(arch)
+    kind = variant.partition(":")[0]
+    if kind != "reference":
+        mesh = _mesh()
+        apply_tensor_parallelism(model, mesh["tp"], model._expand_parallel_plan(dict(model.tp_plan)))
+        if kind != "tp_only":
+            shard_blocks(model, fully_shard_of(kind), blocks=model.model.layers, mesh=mesh["dp"], root_too=True)
+
+    def step_loss(run, step: int, shard_batch) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + step)
+        tokens = shard_batch(torch.randint(0, HF_VOCAB, (4, HF_SEQ + 1), generator=g))
+        logits = run(tokens[:, :-1]).logits  # the plan gathers the LM head's output
+        loss = F.cross_entropy(logits.reshape(-1, HF_VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        return loss
+
+    return _train_steps(model, variant, steps, step_loss)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+def test_transformers_own_tp_plan_matches_reference_and_fsdp2(pool4, arch):
+    """``transformers``' own TP plan, then our FSDP: ours eager and FSDP2 match the
+    single-process reference with the same placements; aot_eager is bitwise eager and
+    compiles no more graphs than the TP-only model (Qwen3's hook registration recompiles
+    once there too)."""
+    pytest.importorskip("transformers.distributed.tensor_parallel")
+    reference = pool4.run(train_hf_own_plan, "reference", arch)[0]
+    fsdp2 = pool4.run(train_hf_own_plan, "fsdp2", arch)[0]
+    ours_eager = pool4.run(train_hf_own_plan, "ours", arch)[0]
+    ours_aot = pool4.run(train_hf_own_plan, "ours:aot_eager", arch)[0]
+    tp_only = pool4.run(train_hf_own_plan, "tp_only:aot_eager", arch)[0]
+    assert ours_eager["placements"] == fsdp2["placements"]
+    if arch == "mixtral":
+        assert ours_eager["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == ("Shard(dim=0)", "_StridedShard(dim=1, sf=2)")
+    assert _max_gap(fsdp2, reference) < 1e-5
+    assert _max_gap(ours_eager, reference) < 1e-5
+    assert _max_gap(ours_aot, ours_eager) == 0.0
+    assert ours_aot["graphs"] == tp_only["graphs"]
