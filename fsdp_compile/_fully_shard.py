@@ -643,7 +643,7 @@ def _read_managed(module: nn.Module, name: str):
     if fsdp_param.state is not ParamState.SHARDED:
         # Gathered already. Checked before computing with the sharded DTensor, so a
         # checkpointed region (a subgraph under compile) takes only this plain tensor.
-        return _local_if_swapped(fsdp_param.gathered, module._parameters[name], fsdp_param)
+        return _local_if_swapped(fsdp_param.gathered, module._parameters[name])
     param = module._parameters[name]
     if not forward_context.frames:  # no sharded forward running
         if not torch.compiler.is_compiling() and in_backward_recompute():
@@ -653,16 +653,16 @@ def _read_managed(module: nn.Module, name: str):
         return param
     if param is not fsdp_param.sharded_param:
         # Swapped for its local tensor: gather from the sharded parameter itself.
-        return _local_if_swapped(allow_side_effects(fsdp_param.gather, fsdp_param.sharded_param), param, fsdp_param)
+        return _local_if_swapped(allow_side_effects(fsdp_param.gather, fsdp_param.sharded_param), param)
     # Caching the gathered tensor is a side effect, allowed inside an activation-
     # checkpointing region (e.g. checkpoint(layer) around a sharded layer).
     return allow_side_effects(fsdp_param.gather, param)
 
 
-def _local_if_swapped(full: torch.Tensor, registered: torch.Tensor, fsdp_param: FSDPParam) -> torch.Tensor:
-    """``full``, or its local tensor where the registered entry was swapped for a plain
-    tensor (see :func:`_read_managed`)."""
-    if registered is fsdp_param.sharded_param or isinstance(registered, DTensor):
+def _local_if_swapped(full: torch.Tensor, registered: torch.Tensor) -> torch.Tensor:
+    """``full``, or its local tensor where the registered entry (the sharded ``DTensor``
+    unless swapped) was swapped for a plain tensor (see :func:`_read_managed`)."""
+    if isinstance(registered, DTensor):
         return full
     return full.to_local() if isinstance(full, DTensor) else full
 

@@ -12,12 +12,14 @@ Here the registered parameter is always the sharded ``DTensor`` (see
 reduce-scatter, as a ``DTensor``, on which such a c10d call fails. So a hook
 registered on a sharded parameter *while a sharded forward runs* (eagerly, or
 from a compiled call, whose Dynamo-recorded registrations run right after its
-graph) is called with the parameter's local shard, a plain tensor whose
-``.grad`` is the local shard of the reduced gradient: in-place changes land in
+graph) is called with the parameter's local shard, as an ``nn.Parameter`` over its
+storage whose ``.grad`` is the local shard of the reduced gradient: in-place changes land in
 the sharded gradient. For a hook linear in the gradient (an all-reduce over
 another mesh dimension, a scale) that is FSDP2's result up to the order of the
 sums: the reduction over data-parallel ranks simply comes first. Eager and
-compiled runs call the hook at the same point, so they stay bitwise equal.
+compiled runs call the hook at the same point, so they stay bitwise equal. (A hook
+that communicated over the data-parallel group itself would mix shards of different
+rows; FSDP already reduces over that group.)
 
 Hooks registered outside any forward are registered as they are and see the
 sharded parameter and its ``DTensor`` gradient, as with FSDP2.
