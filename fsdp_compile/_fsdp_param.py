@@ -109,7 +109,7 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         # Carry over attributes users hang on parameters (e.g. ``_no_weight_decay``).
         for key, value in vars(param).items():
-            if not key.startswith("_fsdp") and key != "register_post_accumulate_grad_hook":
+            if not key.startswith("_fsdp"):
                 setattr(self.sharded_param, key, value)
         route_forward_hooks_to_local_shard(self.sharded_param, local_fqn)
         self.state = ParamState.SHARDED
