@@ -3,8 +3,10 @@ it (NCCL on GPUs, else gloo), otherwise ``world_size`` CPU ranks (gloo) started 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -29,11 +31,21 @@ def run_on_ranks(train, args, world_size: int) -> None:
 
 
 def _spawned_rank(rank: int, world_size: int, port: int, train, args) -> None:
+    # A native crash (SIGSEGV, SIGABRT) prints every thread's Python stack.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
     )
     _run(train, args)
+    # Done and torn down: leave without interpreter finalization. Objects that outlive
+    # destroy_process_group (a mesh held by the model, through reference cycles) would
+    # otherwise destroy their gloo groups while the interpreter is half gone, where a
+    # thread that needs the GIL aborts the process ("terminate called without an
+    # active exception"): the likely cause of a rank-0 SIGABRT seen once in CI, torch 2.15.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run(train, args) -> None:

@@ -20,7 +20,7 @@ def _train(*args: str) -> dict[int, str]:
         timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-1500:]}\nstderr:\n{done.stderr[-3000:]}"
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step +(\d+) +loss (\S+) .* ETA", done.stdout, re.M)}
 
 
@@ -55,5 +55,5 @@ def test_hf_llama_example_trains():
         timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-1500:]}\nstderr:\n{done.stderr[-3000:]}"
     assert len(re.findall(r"^step \d+  loss \d+\.\d+", done.stdout, re.M)) == 2
