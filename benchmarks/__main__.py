@@ -10,6 +10,7 @@ printed under a heading with the command that reproduces it and its run time:
 * ``shaped_link``  the same over a veth pair shaped with tc (root only; skips otherwise);
 * ``memory``       peak memory per rank, reshard_after_forward True and False;
 * ``comm_volume``  bytes and collectives per step vs the ideal;
+* ``collectives``  gloo's all-gather / reduce-scatter vs ``config.gloo_all_to_all``'s all-to-alls;
 * ``graph_count``  graphs, frames and graph breaks per step;
 * ``compile_cost``  Dynamo's time per sharded parameter; what a restarted job compiles again;
 * ``passes_vs_builtin``  ours vs Inductor's built-in bucketing (modelled);
@@ -45,6 +46,7 @@ BENCHMARKS = [
     "shaped_link",
     "memory",
     "comm_volume",
+    "collectives",
     "graph_count",
     "compile_cost",
     "passes_vs_builtin",
@@ -57,6 +59,7 @@ QUICK_ARGS = {
     "shaped_link": ["--quick", "--rates", "1gbit"],
     "memory": ["--quick"],
     "comm_volume": ["--quick"],
+    "collectives": ["--quick"],
     "graph_count": ["--layers", "2"],
     "compile_cost": ["--quick"],
     "passes_vs_builtin": ["--layers", "2", "--dim", "128", "--seq", "64"],

@@ -5,7 +5,8 @@ against a compute-only run of the same setups on one rank.
                                    [--vocab 16384] [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
                                    [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
                                              ours-eager-nooverlap,ours-compiled-nopasses,ours-compiled,
-                                             ours-compiled-noreshard,simplefsdp-manual,
+                                             ours-compiled-noreshard,ours-compiled-a2a,
+                                             ours-compiled-noreshard-a2a,simplefsdp-manual,
                                              simplefsdp-manual-noreshard,simplefsdp-auto]
 
 A Llama-style model (tied embeddings; ``--model hf-llama``: a ``transformers``
@@ -96,6 +97,8 @@ SETUPS = {
     "ours-compiled-nopasses": ("ours compiled, passes off", "ours", True, {"bucketing": False, "reorder": False}),
     "ours-compiled": ("ours compiled", "ours", True, {}),
     "ours-compiled-noreshard": ("ours compiled, no reshard", "ours", True, {}),
+    "ours-compiled-a2a": ("ours compiled, gloo all-to-all", "ours", True, {"gloo_all_to_all": True}),
+    "ours-compiled-noreshard-a2a": ("ours compiled, no reshard, gloo all-to-all", "ours", True, {"gloo_all_to_all": True}),
     "simplefsdp-manual": ("SimpleFSDP + manual bucketing", "simplefsdp", True, {}),
     "simplefsdp-manual-noreshard": ("SimpleFSDP + manual bucketing, no reshard", "simplefsdp", True, {}),
     "simplefsdp-auto": ("SimpleFSDP + Inductor auto bucketing", "simplefsdp", True, {}),
@@ -108,6 +111,7 @@ LIMIT = "unsharded-compiled"
 #: id -> (reshard the decoder layers after forward, the peer's Inductor pass or None).
 PEER_SETUPS = {
     "ours-compiled-noreshard": (False, None),
+    "ours-compiled-noreshard-a2a": (False, None),
     "simplefsdp-manual": (True, "manual"),
     "simplefsdp-manual-noreshard": (False, "manual"),
     "simplefsdp-auto": (True, "auto"),

@@ -311,6 +311,21 @@ def group_ranks(group_name: str) -> list[int] | None:
         return None
 
 
+def group_backend(group_name: str) -> str | None:
+    """torch/distributed/distributed_c10d.py ``_resolve_process_group``: the backend
+    (``"gloo"``, ``"nccl"``, ``"fake"``...) of the process group the functional
+    collectives call ``group_name`` (``None`` if no such group exists in this process)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.get_backend(_resolve_process_group(group_name))
+    except Exception:  # unknown name
+        return None
+
+
 def concatenate_meshes(meshes: list):
     """torch/distributed/device_mesh.py ``DeviceMesh._concatenate``: one mesh over the
     given sibling dimensions of one root mesh (e.g. ``mesh["dp"]`` and ``mesh["tp"]``);

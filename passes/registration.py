@@ -29,6 +29,7 @@ from fsdp_compile._compat import (
     dynamo_graph_break_counts,
     get_joint_custom_pass,
     get_post_grad_custom_post_pass,
+    group_backend,
     hash_of_files,
     make_graph_cache_keys_stable,
     set_joint_custom_pass,
@@ -42,6 +43,7 @@ from fsdp_compile.passes.pinning import pin_schedule
 from fsdp_compile.passes.report import write_graph_report, write_joint_record
 from fsdp_compile.passes.reshard import regather_from_post_forward_shards, tag_reshard_after_forward
 from fsdp_compile.passes.schedule import bucket_cap_bytes, schedule_collectives
+from fsdp_compile.passes.transport import lower_to_all_to_all
 from fsdp_compile.runtime.vocabulary import graph_name, our_collectives, units_in
 
 log = logging.getLogger("fsdp_compile.passes")
@@ -74,7 +76,7 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
 
 def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     """Our post-grad passes, in order: bucketing, reordering, the cross-rank check,
-    pinning the order."""
+    (with ``config.gloo_all_to_all``) the gloo transport, pinning the order."""
     if not our_collectives(graph):
         return
     start = time.perf_counter()
@@ -87,6 +89,9 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     write_graph_report(folder, graph, config.hardware_profile)
     log.debug("%s: %d collective(s) after our passes", graph_name(graph), len(our_collectives(graph)))
     check = insert_consistency_check(graph) if config.check_collective_consistency else None
+    if config.gloo_all_to_all:
+        lower_to_all_to_all(graph, lambda group_name: group_backend(group_name) == "gloo")
+        debug.record_graph(folder, "2b_transport", graph)
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
     pin_schedule(graph, config.reduce_scatter_depth, first=check)
     debug.record_graph(folder, "3_pinned", graph)

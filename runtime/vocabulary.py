@@ -33,6 +33,8 @@ ALL_GATHER = c10d_functional.all_gather_into_tensor.default
 ALL_GATHER_OUT = c10d_functional.all_gather_into_tensor_out.default
 REDUCE_SCATTER = c10d_functional.reduce_scatter_tensor.default
 ALL_REDUCE = c10d_functional.all_reduce.default
+#: What ``fsdp_compile.passes.transport`` lowers our all-gathers and reduce-scatters to on gloo.
+ALL_TO_ALL = c10d_functional.all_to_all_single.default
 WAIT = c10d_functional.wait_tensor.default
 
 
@@ -226,6 +228,10 @@ class Collective:
 
     @property
     def kind(self) -> str:
+        """What the collective does for us: an all-to-all that
+        ``fsdp_compile.passes.transport`` lowered one to says which by its role."""
+        if self.issue.target is ALL_TO_ALL:
+            return "all_gather" if self.tag.role is Role.UNSHARD else "reduce_scatter"
         return collective_kind(self.issue)
 
     @property
@@ -234,6 +240,8 @@ class Collective:
 
     @property
     def world_size(self) -> int:
+        if self.issue.target is ALL_TO_ALL:
+            return len(_schema_args(self.issue)["output_split_sizes"])
         return world_size_of(self.issue)
 
     @property
@@ -258,6 +266,7 @@ _SCHEDULED = {
     ALL_GATHER: (Role.UNSHARD,),
     REDUCE_SCATTER: (Role.REDUCE_GRAD,),
     ALL_REDUCE: (Role.REDUCE_GRAD, Role.REPLICATE_GRAD),
+    ALL_TO_ALL: (Role.UNSHARD, Role.REDUCE_GRAD),  # lowered (gloo), after bucketing and reordering
 }
 
 

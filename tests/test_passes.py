@@ -500,3 +500,94 @@ def test_prefetch_does_not_delay_a_collective_that_is_not_ours(profile, after_fo
     assert b.issue < a.wait if not after_foreign else foreign < b.issue < b.wait
     if after_foreign:
         assert next(u for u in foreign.users) < b.issue  # after the TP all-gather's wait
+
+
+# ---------------------------------------------------------------- transport lowering (gloo)
+
+
+def _gather_and_reduce_graph(reduce_op: str) -> fx.GraphModule:
+    """A post-grad graph with one of our all-gathers (2 ranks, a [2, 4] shard, read by a
+    matmul) and one of our reduce-scatters (2 ranks, a [4, 3] gradient, scaled after)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.graph_utils import emit
+
+    g, mode = fx.Graph(), FakeTensorMode()
+    shard, x, grad = g.placeholder("shard"), g.placeholder("x"), g.placeholder("grad")
+    for node, shape in ((shard, (2, 4)), (x, (5, 4)), (grad, (4, 3))):
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+    gather_tag = CollectiveTag(Role.UNSHARD, "w", "layers.0", True)
+    reduce_tag = CollectiveTag(Role.REDUCE_GRAD, "v", "layers.0", True)
+    ag = emit(g, c10d_functional.all_gather_into_tensor.default, (shard, 2, "0"), tag=gather_tag)
+    gathered = emit(g, c10d_functional.wait_tensor.default, (ag,), tag=gather_tag)
+    mm = emit(g, aten.mm.default, (x, emit(g, aten.t.default, (gathered,))))
+    rs = emit(g, c10d_functional.reduce_scatter_tensor.default, (grad, reduce_op, 2, "0"), tag=reduce_tag)
+    reduced = emit(g, c10d_functional.wait_tensor.default, (rs,), tag=reduce_tag)
+    scaled = emit(g, aten.mul.Tensor, (reduced, 3.0))
+    g.output((mm, scaled))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _run_as_rank_0_of_identical_ranks(gm: fx.GraphModule, *inputs):
+    """``gm`` on real tensors as rank 0 of ranks that all hold ``inputs``: each collective
+    replaced by what it computes there."""
+    gm = copy.deepcopy(gm)
+    stand_ins = {
+        c10d_functional.all_gather_into_tensor.default: lambda t, n, group: torch.cat([t] * n),
+        c10d_functional.reduce_scatter_tensor.default: lambda t, op, n, group: t.chunk(n)[0] * (1 if op == "avg" else n),
+        c10d_functional.all_to_all_single.default: lambda t, out, in_, group: torch.cat([t.split(list(in_))[0]] * len(out)),
+        c10d_functional.wait_tensor.default: torch.clone,
+    }
+    for node in gm.graph.nodes:
+        node.target = stand_ins.get(node.target, node.target)
+    gm.recompile()
+    return gm(*inputs)
+
+
+@pytest.mark.parametrize("reduce_op", ["avg", "sum"])
+def test_gloo_transport_lowers_both_collectives_to_all_to_alls_with_the_same_values(reduce_op):
+    from fsdp_compile.passes.transport import lower_to_all_to_all
+    from fsdp_compile.runtime.vocabulary import ALL_TO_ALL, tag_of
+
+    gm = _gather_and_reduce_graph(reduce_op)
+    inputs = (torch.randn(2, 4), torch.randn(5, 4), torch.randn(4, 3))
+    before = _run_as_rank_0_of_identical_ranks(gm, *inputs)
+    tags = [c.tag for c in our_collectives(gm.graph)]
+    assert lower_to_all_to_all(gm.graph, lambda group: group == "0") == 2
+    gm.graph.lint()
+    gm.recompile()
+    gather, reduce = our_collectives(gm.graph)
+    # Same tags, kinds and group sizes, each still waited on once; nothing else communicates.
+    assert [c.tag for c in (gather, reduce)] == tags
+    assert [(c.issue.target, c.kind, c.world_size, c.group_name) for c in (gather, reduce)] == [
+        (ALL_TO_ALL, "all_gather", 2, "0"),
+        (ALL_TO_ALL, "reduce_scatter", 2, "0"),
+    ]
+    assert {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target._namespace == "_c10d_functional"} == {
+        ALL_TO_ALL,
+        c10d_functional.wait_tensor.default,
+    }
+    # The all-gather sends its shard to both ranks; the reduce-scatter's slices are summed after the wait.
+    assert gather.input.target is aten.repeat.default and gather.issue.args[1:3] == ([2, 2], [2, 2])
+    assert reduce.issue.args[1:3] == ([2, 2], [2, 2])
+    (view,) = reduce.wait.users
+    (summed,) = view.users
+    assert summed.target is aten.sum.dim_IntList and tuple(summed.meta["val"].shape) == (2, 3)
+    assert all(tag_of(n) is None for n in (gather.input, view, summed))
+    for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gloo_transport_leaves_other_groups_and_collectives_alone():
+    from fsdp_compile.passes.transport import lower_to_all_to_all
+
+    gm = _gather_and_reduce_graph("avg")
+    code = gm.code
+    assert lower_to_all_to_all(gm.graph, lambda group: False) == 0
+    gm.recompile()
+    assert gm.code == code
+    # Untagged collectives (a user's, tensor parallelism's) are not ours to lower.
+    for node in gm.graph.nodes:
+        node.meta.pop("custom", None)
+    assert lower_to_all_to_all(gm.graph, lambda group: True) == 0

@@ -207,3 +207,25 @@ def test_prefetch_hints(pool2):
     assert b3.wait_line < b2.wait_line and b3.wait_line < b1.wait_line
     assert b2.compute_between and set(b2.compute_between) <= set(b1.compute_between)
     assert len(b1.compute_between) > len(b2.compute_between)
+
+
+def test_gloo_all_to_all_keeps_the_schedule_and_the_bytes(pool2):
+    """``config.gloo_all_to_all``: every all-gather and reduce-scatter becomes one
+    all-to-all, in the same order, the same on both ranks; an all-gather's output is
+    the same size, a reduce-scatter's holds both ranks' slices (2x its shard, summed
+    after the wait); and all but the first all-gather and the last reduce-scatter still
+    overlap compute."""
+    default = _schedule(pool2)[0]
+    lowered = _schedule(pool2, gloo_all_to_all=True)
+    for graph in ("forward", "backward"):
+        assert _signature(lowered[0][graph]) == _signature(lowered[1][graph])
+        assert [c.kind for c in lowered[0][graph]] == ["all_to_all"] * len(default[graph])
+        assert [c.output_numel for c in lowered[0][graph]] == [
+            c.output_numel * (2 if c.kind == "reduce_scatter" else 1) for c in default[graph]
+        ]
+    s = lowered[0]
+    everything = s["forward"] + s["backward"]
+    assert all(c.wait_line is not None for c in everything)
+    exposed = [c for c in everything if not c.compute_between]
+    assert exposed in ([], [s["forward"][0]], [s["backward"][-1]], [s["forward"][0], s["backward"][-1]]), exposed
+    assert default["backward"][-1].kind == "reduce_scatter"

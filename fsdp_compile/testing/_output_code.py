@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-_ISSUE = re.compile(r"^\s*(buf\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\(")
+_ISSUE = re.compile(r"^\s*(buf\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_to_all_single)\.default\(")
+_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\w+)\)")
 # A buffer's size, from the assert Inductor writes after the op that made it:
 # ``assert_size_stride(bufN, (sizes), (strides), op)`` in torch 2.13; in 2.15 an
@@ -22,7 +23,7 @@ _COMPUTE = re.compile(r"^\s*(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+)\
 
 @dataclass
 class ScheduledCollective:
-    kind: str  # "all_gather" | "reduce_scatter"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_to_all" (``config.gloo_all_to_all``)
     buffer: str
     output_numel: int = 0
     issue_line: int = 0
@@ -37,7 +38,7 @@ def collectives_in_output_code(code: str) -> list[ScheduledCollective]:
     open_: dict[str, ScheduledCollective] = {}
     for i, line in enumerate(body):
         if m := _ISSUE.match(line):
-            c = ScheduledCollective("all_gather" if m.group(2).startswith("all_gather") else "reduce_scatter", m.group(1), issue_line=i)
+            c = ScheduledCollective(_KINDS[m.group(2)], m.group(1), issue_line=i)
             found.append(c)
             open_[c.buffer] = c
         elif m := _SIZE.match(line):
