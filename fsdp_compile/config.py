@@ -61,8 +61,8 @@ eager_overlap: bool = True
 
 #: Compiled graphs, groups whose backend is gloo: send our all-gathers and
 #: reduce-scatters as ``all_to_all_single`` (``fsdp_compile.passes.transport``):
-#: the same bytes, moved about 3x faster by gloo, whose own reduce-scatter is an
-#: all-reduce. Off by default: the compiled code then shows all-to-alls where
+#: the same bytes, sent directly (gloo's own reduce-scatter is an all-reduce of a
+#: copy); a faster compiled step on CPU (BENCHMARKS.md). Off by default: the compiled code then shows all-to-alls where
 #: profiles and ``TORCH_LOGS=output_code`` readers expect all-gathers; eager runs
 #: and other backends (NCCL) are never affected.
 gloo_all_to_all: bool = False
