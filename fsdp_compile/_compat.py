@@ -296,34 +296,34 @@ def flat_group_of(mesh) -> torch.distributed.ProcessGroup:
     return mesh._flatten().get_group()
 
 
-def group_ranks(group_name: str) -> list[int] | None:
-    """torch/distributed/distributed_c10d.py ``_resolve_process_group``: the global ranks
-    of the process group the functional collectives call ``group_name`` (``None`` if
-    no such group exists in this process)."""
+def _about_named_group(group_name: str, question: Callable):
+    """torch/distributed/distributed_c10d.py ``_resolve_process_group``: ``question`` of
+    the process group the functional collectives call ``group_name`` (``None`` if no
+    such group exists in this process)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     if not dist.is_initialized():
         return None
     try:
-        return dist.get_process_group_ranks(_resolve_process_group(group_name))
+        return question(_resolve_process_group(group_name))
     except Exception:  # unknown name
         return None
+
+
+def group_ranks(group_name: str) -> list[int] | None:
+    """The global ranks of the group named ``group_name`` (``None``: no such group)."""
+    import torch.distributed as dist
+
+    return _about_named_group(group_name, dist.get_process_group_ranks)
 
 
 def group_backend(group_name: str) -> str | None:
-    """torch/distributed/distributed_c10d.py ``_resolve_process_group``: the backend
-    (``"gloo"``, ``"nccl"``, ``"fake"``...) of the process group the functional
-    collectives call ``group_name`` (``None`` if no such group exists in this process)."""
+    """The backend (``"gloo"``, ``"nccl"``, ``"fake"``...) of the group named
+    ``group_name`` (``None``: no such group)."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.get_backend(_resolve_process_group(group_name))
-    except Exception:  # unknown name
-        return None
+    return _about_named_group(group_name, dist.get_backend)
 
 
 def concatenate_meshes(meshes: list):

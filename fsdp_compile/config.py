@@ -62,9 +62,9 @@ eager_overlap: bool = True
 #: Compiled graphs, groups whose backend is gloo: send our all-gathers and
 #: reduce-scatters as ``all_to_all_single`` (``fsdp_compile.passes.transport``):
 #: the same bytes, sent directly (gloo's own reduce-scatter is an all-reduce of a
-#: copy); a faster compiled step on CPU (BENCHMARKS.md). Off by default: the compiled code then shows all-to-alls where
-#: profiles and ``TORCH_LOGS=output_code`` readers expect all-gathers; eager runs
-#: and other backends (NCCL) are never affected.
+#: copy); a faster compiled step on CPU (BENCHMARKS.md). Off by default: the
+#: compiled code then shows all-to-alls where profiles and ``TORCH_LOGS=output_code``
+#: readers expect all-gathers. Eager runs and other backends (NCCL) never change.
 gloo_all_to_all: bool = False
 
 #: The first time each compiled graph runs, ranks compare their collective

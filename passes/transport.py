@@ -47,11 +47,14 @@ def lower_to_all_to_all(graph: fx.Graph, lowers_group: Callable[[str], bool]) ->
     runs in torch's order over the ranks' slices: bitwise the same on 2 ranks,
     within rounding on more); each rewritten collective keeps its tag, position
     and single ``wait_tensor``, so the collective order is the same on every
-    rank. Collectives with symbolic (dynamic) shapes or no elements are left alone.
+    rank. Collectives with symbolic (dynamic) shapes or no elements, and reductions
+    other than ``sum`` and ``avg``, are left alone.
     """
     lowered = 0
     for c in our_collectives(graph):
         if c.issue.target not in (ALL_GATHER, REDUCE_SCATTER) or not lowers_group(c.group_name):
+            continue
+        if c.issue.target is REDUCE_SCATTER and c.reduce_op not in ("sum", "avg"):
             continue
         if not _has_static_shape(c.input) or val(c.input).numel() == 0:
             continue
@@ -84,8 +87,6 @@ def _lower_all_gather(graph: fx.Graph, issue: fx.Node) -> None:
 
 def _lower_reduce_scatter(graph: fx.Graph, issue: fx.Node, wait: fx.Node) -> None:
     full, reduce_op, world_size, group_name = issue.args[0], issue.args[1], issue.args[2], issue.args[3]
-    if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"lower_to_all_to_all: a reduce-scatter with reduce_op={reduce_op!r} (expected 'sum' or 'avg')")
     shape = val(full).shape
     rows = shape[0] // world_size
     with graph.inserting_before(issue):

@@ -591,3 +591,8 @@ def test_gloo_transport_leaves_other_groups_and_collectives_alone():
     for node in gm.graph.nodes:
         node.meta.pop("custom", None)
     assert lower_to_all_to_all(gm.graph, lambda group: True) == 0
+    # A reduction the sum cannot stand in for stays gloo's; the all-gather is lowered.
+    gm = _gather_and_reduce_graph("max")
+    assert lower_to_all_to_all(gm.graph, lambda group: True) == 1
+    assert [c.kind for c in our_collectives(gm.graph)] == ["all_gather", "reduce_scatter"]
+    assert our_collectives(gm.graph)[1].issue.target is c10d_functional.reduce_scatter_tensor.default
