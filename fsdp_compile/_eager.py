@@ -87,6 +87,16 @@ def post_forward() -> None:
 cast_output_outside_dynamo = torch.compiler.disable(cast_output)
 
 
+def reset_iteration_state() -> None:
+    """What an aborted forward or backward left: wait on and drop its collectives in
+    flight and forget its re-gather slots (``FSDPModule.reset_iter_state``)."""
+    _drop_left_by_a_backward_that_raised()
+    forward_prefetch.drop_in_flight()
+    _open_slots.clear()
+    while forward_context.depth:
+        forward_context.exit()
+
+
 def _drop_left_by_a_backward_that_raised() -> None:
     """Between backwards nothing is in flight, unless a backward raised: wait on and drop
     what it left (its reduce-scatters, its prefetched re-gathers)."""
@@ -107,7 +117,7 @@ def gather_unit(unit: FSDPUnit) -> None:
         _open_slots.pop(fsdp_param, None)
     for key, bucket in _buckets(to_gather, FSDPParam.bucket_key):
         prefetched = forward_prefetch.take(bucket) if key is not None else None
-        if prefetched is not None or (key is not None and len(bucket) > 1):
+        if prefetched is not None or (key is not None and (len(bucket) > 1 or unit.reduce_scatter_unused_params)):
             gather_bucket(bucket, prefetched)
         else:
             for fsdp_param in bucket:
@@ -272,19 +282,24 @@ def _needs_regather(slot: RegatherSlot) -> bool:
 
 
 def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
-    """``slot`` and every other open slot of its unit that one all-gather can fill with it."""
+    """The slots one all-gather fills with ``slot``: one per parameter of its unit that
+    shares its :meth:`FSDPParam.regather_key`, in the unit's order, whether or not this
+    rank saved it (FSDP2's pre-backward gathers the whole unit). The collective is then
+    the same on every rank even where ranks used different parameters of the unit
+    (experts run only on the tokens routed to them, a branch on the data); a parameter
+    without an open slot to fill gets a throwaway one."""
     key = slot.fsdp_param.regather_key()
     if key is None:
         return [slot]
-    unit = slot.fsdp_param.unit
-    return [slot] + [
-        other
-        for other in _open_slots.values()
-        if other is not slot
-        and _needs_regather(other)
-        and other.fsdp_param.unit is unit
-        and other.fsdp_param.regather_key() == key
-    ]
+    bucket = []
+    for fsdp_param in slot.fsdp_param.unit.params:
+        if fsdp_param is slot.fsdp_param:
+            bucket.append(slot)
+        elif fsdp_param.owner is not None and fsdp_param.regather_key() == key:
+            other = _open_slots.get(fsdp_param)
+            useful = other is not None and _needs_regather(other)
+            bucket.append(other if useful else RegatherSlot(fsdp_param, forward=slot.forward))
+    return bucket
 
 
 def _prefetch_regather_before(slot: RegatherSlot) -> None:

@@ -294,9 +294,9 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
     with fx_annotate(first.spec.tag.as_meta()):
         if defers_reduction(shards):
             deliver = pending_reductions.deliverer(shards)
-            fulls = gather_bucket_with_grad_sync([s.detach() for s in shards], specs, in_flight, deliver)
+            fulls = gather_bucket_with_grad_sync([s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params)
         else:
-            fulls = gather_bucket_with_grad_sync(shards, specs, in_flight)
+            fulls = gather_bucket_with_grad_sync(shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params)
     for fsdp_param, full in zip(fsdp_params, fulls):
         fsdp_param._note_gathered(full)
 

@@ -91,6 +91,11 @@ class FSDPUnit:
     # (FSDP2's set_reshard_after_backward; e.g. between gradient-accumulation micro-batches).
     reshard_after_backward: bool = True
     gradient_divide_factor: float | None = None  # None: average over the group
+    # FSDP2's set_reduce_scatter_unused_params: eager backward reduces a zero gradient
+    # for a parameter that got none on this rank (ranks that used different parameters
+    # then still issue the same reduce-scatter); False: such a parameter is left out
+    # of the reduction and its ``.grad`` stays ``None``, as in an unsharded model.
+    reduce_scatter_unused_params: bool = False
     # Path of each module from the outermost sharded module ("" for the root
     # itself); rewritten when a parent is sharded later.
     module_fqns: list[str] = field(default_factory=list)

@@ -201,9 +201,143 @@ class FSDPModule:
             unit.gradient_divide_factor = float(factor)
             unit.refresh_specs()
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 too: use :meth:`set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated, use set_gradient_divide_factor instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Include zero gradients for parameters that got none in backward, as FSDP2's.
+
+        Needed when ranks use different parameters of a unit (experts that run only
+        on the tokens routed to them, a branch on the data): with ``False`` (the
+        default, as FSDP2) a parameter without a gradient is left out of the unit's
+        reduce-scatter and keeps ``.grad`` ``None``, as in an unsharded model, so
+        ranks that disagree issue different collectives. Eager backward only: a
+        compiled step runs the same graph on every rank (checked on its first run), so
+        a parameter is unused on every rank or on none, and keeps ``.grad`` ``None``."""
+        for unit in units_in(self, recurse):
+            unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's HSDP gradient accumulation with reduce-scatters but no all-reduce.
+
+        Units with nothing to all-reduce (1-D meshes) accept it and change nothing,
+        as FSDP2's. ``False`` on an HSDP unit (or a replicated one) is not supported
+        yet and raises; use :meth:`set_requires_gradient_sync` (``False``) for
+        accumulation without any communication."""
+        for unit in units_in(self, recurse):
+            if not requires_all_reduce and unit.dp_mesh.replicate_group_name is not None:
+                raise NotImplementedError(
+                    f"set_requires_all_reduce(False) on {type(unit.modules[0]).__name__} (a unit that all-reduces "
+                    "gradients over a replicate dimension: HSDP or replicate) is not supported; accumulate "
+                    "without communication with set_requires_gradient_sync(False) instead"
+                )
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility; changes nothing. FSDP2 uses it to skip waiting on
+        gradient reductions at the end of a backward that is not the last of a step
+        (pipelining); here every backward finishes its reductions (compiled: inside its
+        graph; eager: when it ends), so gradients are complete after each one."""
+
+    def set_post_optim_event(self, event) -> None:
+        """Accepted for FSDP2 compatibility; changes nothing. FSDP2 makes its all-gather
+        stream wait on ``event``; here all-gathers run in program order after the
+        optimizer step (compiled graphs and eager code alike use no side streams)."""
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility; changes nothing: backward re-gathers only the
+        parameters its computation reads (compiled: what the backward graph uses; eager:
+        the weights autograd saved), so a unit whose backward needs none (an embedding)
+        re-gathers nothing either way."""
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility; changes nothing: collective buffers come from
+        the ordinary allocator (compiled: planned by Inductor)."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Accepted for FSDP2 compatibility (``max_input_buffers >= 1``); changes nothing here:
+        how many reduce-scatters are in flight is ``fsdp_compile.config.reduce_scatter_depth``."""
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers({max_input_buffers}): must be >= 1")
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility; changes no value: FSDP2 uses it to keep NCCL
+        on sum reductions (zero-copy transfers, no ``PREMUL_SUM``); here a divide factor
+        (:meth:`set_gradient_divide_factor`) is already a pre-scale and a sum, and the
+        default average is the group's own ``avg``."""
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Accepted for FSDP2 compatibility; changes nothing: reduce-scatters and all-gathers
+        share the data-parallel group, and the compiled schedule orders them."""
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for FSDP2 compatibility; changes nothing (NCCL symmetric-memory buffers
+        are not used: collective buffers come from the ordinary allocator)."""
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Accepted for FSDP2 compatibility (torch 2.15); changes nothing: gathered
+        parameters are fresh tensors each step (compiled: buffers planned by Inductor),
+        freed when resharded."""
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Accepted for FSDP2 compatibility (torch 2.15) on the root unit: every backward
+        here finishes its own gradient reductions, so there is nothing left for
+        :meth:`finalize_backward` to do."""
+        if not self._fsdp_unit.is_root:
+            raise RuntimeError(
+                f"set_manual_backward_finalization: call it on the root sharded module, not on {type(self).__name__}"
+            )
+
+    def finalize_backward(self, *, async_op: bool = False) -> "UnshardHandle | None":
+        """FSDP2's (torch 2.15): finish the backward's gradient reductions. Each backward
+        has already finished its own; returns a handle whose ``wait()`` returns at once
+        when ``async_op``."""
+        return UnshardHandle() if async_op else None
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Not supported: our all-gathers are functional collectives that the compiled graph
+        buckets and schedules; a custom one could not be traced."""
+        raise NotImplementedError(
+            f"set_custom_all_gather on {type(self).__name__}: custom all-gather implementations are not "
+            "supported by fsdp_compile (its all-gathers are traced functional collectives)"
+        )
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Not supported (see :meth:`set_custom_all_gather`)."""
+        raise NotImplementedError(
+            f"set_custom_reduce_scatter on {type(self).__name__}: custom reduce-scatter implementations are "
+            "not supported by fsdp_compile (its reduce-scatters are traced functional collectives)"
+        )
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """Not supported: use an HSDP mesh for a replicate dimension, or tensor parallelism's
+        gradient hooks on the parameters."""
+        raise NotImplementedError(
+            f"set_all_reduce_hook on {type(self).__name__}: all-reduce hooks are not supported by "
+            "fsdp_compile; for a replicate dimension pass a 2-D (replicate, shard) mesh to fully_shard"
+        )
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: wait on and drop whatever it
+        left in flight (eager reduce-scatters, prefetched all-gathers and re-gathers), as
+        FSDP2's. Their gradients are lost; restart a gradient-accumulation sequence. Call
+        it on the root unit (the module the last ``fully_shard`` call was applied to).
+        (The next eager forward does the same by itself.)"""
+        if not self._fsdp_unit.is_root:
+            raise RuntimeError(
+                f"reset_iter_state: call it on the root sharded module, not on {type(self).__name__}"
+            )
+        _eager.reset_iteration_state()
+
 
 class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``; the gather has already completed."""
+    """Returned by ``unshard(async_op=True)`` (and ``finalize_backward(async_op=True)``);
+    the work has already completed."""
 
     def wait(self) -> None:
         return None

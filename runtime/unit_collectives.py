@@ -128,17 +128,23 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     """Forward: the full tensors of a bucket's shards, in ``param_dtype``.
     Backward: their gradients, in ``reduce_dtype`` and pre-scaled, reduce-scattered
     together, all-reduced together over each replicate group, cast to each shard's dtype
-    (gradient sync on; a bucket is never built with it off).
+    (gradient sync on; a bucket is never built with it off). A member whose output got
+    no gradient (unused by this backward) is left out of the reduction and gets none,
+    as in an unsharded model; with ``reduce_unused`` it reduces zeros instead (FSDP2's
+    ``set_reduce_scatter_unused_params``: every rank then issues the same collective
+    even where ranks used different members).
 
     With ``deliver``, the shards come in detached after an anchor, and the backward
-    hands ``deliver`` the function that issues the reduce-scatter instead of issuing
-    and waiting itself (``deliver`` issues it when it has room; whoever waits on it
-    then passes the gradients on to the shards)."""
+    hands ``deliver`` the function that issues the reduce-scatter, and the indices of
+    the members it reduces, instead of issuing and waiting itself (``deliver`` issues it
+    when it has room; whoever waits on it then passes the gradients on to those shards)."""
 
     @staticmethod
-    def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, *tensors):
+    def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, reduce_unused: bool, *tensors):
         shards = tensors[1:] if deliver is not None else tensors
         ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
+        ctx.reduce_unused, ctx.device = reduce_unused, shards[0].device
+        ctx.set_materialize_grads(False)  # an unused member's gradient stays None
         if in_flight is None:
             in_flight = issue_all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype)
         return tuple(in_flight.wait())
@@ -146,14 +152,23 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         specs, first = ctx.specs, ctx.specs[0]
+        if ctx.reduce_unused:
+            grads = tuple(
+                g if g is not None else torch.zeros(spec.layout.full_shape, dtype=first.param_dtype or dtype, device=ctx.device)
+                for g, spec, dtype in zip(grads, specs, ctx.shard_dtypes)
+            )
+        members = [i for i, g in enumerate(grads) if g is not None]
         with fx_annotate(first.reduce_meta):
             def issue() -> ReduceScatterInFlight:
-                return issue_reduce_scatter_bucket(list(grads), first, [spec.layout for spec in specs], ctx.shard_dtypes)
+                return issue_reduce_scatter_bucket(
+                    [grads[i] for i in members], first, [specs[i].layout for i in members], [ctx.shard_dtypes[i] for i in members]
+                )
 
             if ctx.deliver is not None:
-                ctx.deliver(issue)
-                return (None,) * (3 + ctx.n_tensors)
-            return (None, None, None, *issue().wait())
+                ctx.deliver(issue, members)
+                return (None,) * (4 + ctx.n_tensors)
+            reduced = dict(zip(members, issue().wait()))
+            return (None, None, None, None, *(reduced.get(i) for i in range(len(grads))))
 
 
 def gather_bucket_with_grad_sync(
@@ -161,14 +176,16 @@ def gather_bucket_with_grad_sync(
     specs: list[CollectiveSpec],
     in_flight: AllGatherInFlight | None = None,
     deliver=None,
+    reduce_unused: bool = False,
 ) -> list[torch.Tensor]:
     """The full tensors (dim 0 first) of ``shards``, whose specs share one
     :func:`bucket_key`, with one all-gather; their gradients are reduced back with
     one reduce-scatter (see :class:`_GatherBucketWithGradSync`). ``in_flight``: the
     all-gather of these same shards, already issued (a prefetch): it is waited on
     instead of issuing one. ``deliver``: called in backward with a function that
-    issues the reduce-scatter and returns its :class:`ReduceScatterInFlight`, instead
-    of issuing and waiting for it; ``shards`` then get no gradient from autograd
-    (pass them detached)."""
+    issues the reduce-scatter and returns its :class:`ReduceScatterInFlight`, and the
+    indices of the members it reduces, instead of issuing and waiting for it; ``shards``
+    then get no gradient from autograd (pass them detached). ``reduce_unused``: reduce
+    zeros for members that got no gradient instead of leaving them out."""
     tensors = (_GRAD_ANCHOR, *shards) if deliver is not None else tuple(shards)
-    return list(_GatherBucketWithGradSync.apply(tuple(specs), in_flight, deliver, *tensors))
+    return list(_GatherBucketWithGradSync.apply(tuple(specs), in_flight, deliver, reduce_unused, *tensors))

@@ -100,12 +100,12 @@ def _recording(events: list, model) -> None:
         unit_of_shards[id(shards)] = unit_now[0]
         deliver = originals["deliverer"](shards)
 
-        def logged(issue):
+        def logged(issue, members):
             def logged_issue():
                 events.append(("reduce issued", unit_of_shards[id(shards)]))
                 return issue()
 
-            deliver(logged_issue)
+            deliver(logged_issue, members)
 
         return logged
 

@@ -1,0 +1,258 @@
+"""FSDP2's ``FSDPModule`` API beyond the features of ``test_features.py``: every public
+method of torch's ``FSDPModule`` exists here; parameters without a gradient (unused, or
+used by some ranks only) behave as FSDP2's; hints that change nothing here are accepted;
+what is not supported raises naming the module; recovery after an aborted step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.models import fully_shard_of
+
+STEPS = 3
+
+
+class Experts(nn.Module):
+    """Two experts; ``b`` runs only when asked (a branch on the data, as an MoE layer
+    that loops over the experts that received tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b: bool):
+        y = self.a(x)
+        return y + self.b(x) if use_b else y
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.experts, self.out = nn.Linear(8, 8), Experts(), nn.Linear(8, 1)
+
+    def forward(self, x, use_b: bool):
+        return self.out(self.experts(torch.relu(self.inp(x)), use_b))
+
+
+# ---------------------------------------------------------------- on every rank
+
+
+def train_routed(kind: str, use_b: str, reshard: bool, reduce_unused: bool, backend: str | None = None) -> dict:
+    """AdamW steps of :class:`Routed` sharded by ``kind`` (``"ours"`` / ``"fsdp2"``), the
+    experts a unit of their own. ``use_b``: ``"never"``, or ``"rank1"`` (only rank 1 runs
+    expert ``b``). Returns which gradients were ``None`` after the first backward and the
+    full parameters after the last step."""
+    import torch.distributed as dist
+
+    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing import full_parameters
+
+    reset_dynamo()
+    fully_shard = fully_shard_of(kind)
+    torch.manual_seed(0)
+    model = Routed()
+    fully_shard(model.experts, reshard_after_forward=reshard)
+    fully_shard(model)
+    if reduce_unused:
+        model.experts.set_reduce_scatter_unused_params(True)
+    run = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # weight decay: a zero gradient is not None
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    no_grad = None
+    for _ in range(STEPS):
+        run(torch.randn(4, 8, generator=gen), use_b == "rank1" and rank == 1).square().mean().backward()
+        if no_grad is None:
+            no_grad = sorted(n for n, p in model.named_parameters() if p.grad is None)
+        opt.step()
+        opt.zero_grad()
+    return {"no_grad": no_grad, "params": full_parameters(model)}
+
+
+def api_calls() -> dict:
+    """The hints accepted, the deprecated divide-factor alias, what raises."""
+    import warnings
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing.models import MLPStack
+
+    torch.manual_seed(0)
+    model = MLPStack(dim=4, n_layers=2)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    layer = model.layers[0]
+    model.set_is_last_backward(False)
+    model.set_post_optim_event(object())
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_separate_reduce_scatter_group(True)
+    model.set_symm_mem_for_comm()
+    model.set_keep_unsharded_storage(True)
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    model.set_reduce_scatter_max_input_buffers(2)
+    model.set_requires_all_reduce(False)  # a 1-D mesh: nothing to all-reduce, as FSDP2
+    model.set_manual_backward_finalization(True)
+    layer.set_unshard_in_backward(False)
+    out: dict = {"finalize": model.finalize_backward(), "finalize_async": model.finalize_backward(async_op=True).wait()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer.set_reduce_scatter_divide_factor(2.0)
+    out["alias_warns"] = [w.category.__name__ for w in caught]
+    out["alias_sets"] = layer._fsdp_unit.gradient_divide_factor
+    errors = {}
+    calls = {
+        "custom_all_gather": lambda: layer.set_custom_all_gather(object()),
+        "custom_reduce_scatter": lambda: layer.set_custom_reduce_scatter(object()),
+        "all_reduce_hook": lambda: layer.set_all_reduce_hook(lambda g: None),
+        "max_input_buffers_0": lambda: layer.set_reduce_scatter_max_input_buffers(0),
+        "reset_on_a_block": layer.reset_iter_state,
+        "manual_finalization_on_a_block": lambda: layer.set_manual_backward_finalization(True),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001
+            errors[name] = (type(e).__name__, str(e))
+    out["errors"] = errors
+    return out
+
+
+def requires_all_reduce_on_hsdp() -> tuple[str, str]:
+    """``set_requires_all_reduce(False)`` on an HSDP unit (2 ranks: replicate 2 x shard 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing.models import MLPStack
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = MLPStack(dim=4, n_layers=1)
+    fully_shard(model.layers[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_requires_all_reduce(True)  # the default: accepted
+    try:
+        model.set_requires_all_reduce(False)
+    except NotImplementedError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def recover_after_aborted_steps(kind: str) -> dict:
+    """A forward, then a backward, raise midway; after ``reset_iter_state`` on the root,
+    training goes on exactly as if they had never run."""
+    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing.models import MLPStack
+
+    class Boom(Exception):
+        pass
+
+    aborting = {"forward": False, "backward": False}
+
+    def raise_in_forward(module, args):
+        if aborting["forward"]:
+            raise Boom()
+
+    def raise_in_backward(grad):
+        raise Boom()
+
+    def abort_backward_here(module, args, output) -> None:
+        # After the last layer's backward (its reduce-scatter in flight), before this one's.
+        if aborting["backward"]:
+            output.register_hook(raise_in_backward)
+
+    def train(abort: bool) -> dict:
+        torch.manual_seed(0)
+        model = MLPStack(dim=8, n_layers=3)
+        for layer in model.layers:
+            fully_shard_of(kind)(layer)
+        fully_shard_of(kind)(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8)
+        if abort:
+            model.layers[1].register_forward_pre_hook(raise_in_forward)
+            model.layers[1].register_forward_hook(abort_backward_here)
+            for where in ("forward", "backward"):
+                aborting[where] = True
+                with pytest.raises(Boom):
+                    model(x).square().mean().backward()
+                aborting[where] = False
+                model.reset_iter_state()
+            model.zero_grad(set_to_none=True)
+        for _ in range(STEPS):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return full_parameters(model)
+
+    return {"clean": train(False), "after_aborts": train(True)}
+
+
+# ---------------------------------------------------------------- tests
+
+
+def _close(a: dict, b: dict, **tol) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=lambda m, name=name: f"{name}: {m}", **tol)
+
+
+def test_every_public_method_of_torchs_fsdp_module_exists():
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from fsdp_compile import FSDPModule
+
+    module_api = set(dir(nn.Module))
+    missing = sorted(n for n in dir(TorchFSDPModule) if not n.startswith("_") and n not in module_api and not hasattr(FSDPModule, n))
+    assert missing == []
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
+def test_unused_parameters_keep_no_gradient_as_in_fsdp2(pool2, reshard):
+    """Expert ``b`` never runs: its gradient stays ``None`` (AdamW then leaves it alone),
+    eager and compiled, as with FSDP2 and an unsharded model."""
+    expected = pool2.run(train_routed, "fsdp2", "never", reshard, False)[0]
+    assert expected["no_grad"] == ["experts.b.bias", "experts.b.weight"]
+    for backend in (None, "aot_eager"):
+        got = pool2.run(train_routed, "ours", "never", reshard, False, backend)[0]
+        assert got["no_grad"] == expected["no_grad"], backend
+        _close(got["params"], expected["params"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
+def test_reduce_scatter_unused_params_trains_ranks_that_use_different_experts(pool2, reshard):
+    """Only rank 1 runs expert ``b`` (eager): with ``set_reduce_scatter_unused_params(True)``
+    rank 0 reduces zeros for it, both ranks issue the same collectives (the backward
+    re-gathers the whole unit on both), and training matches FSDP2 with the same setting."""
+    expected = pool2.run(train_routed, "fsdp2", "rank1", reshard, True)
+    got = pool2.run(train_routed, "ours", "rank1", reshard, True)
+    for g, e in zip(got, expected):
+        assert g["no_grad"] == e["no_grad"] == []
+        _close(g["params"], e["params"], rtol=1e-6, atol=1e-6)
+
+
+def test_fsdp2_hints_are_accepted_and_unsupported_methods_raise(pool2):
+    result = pool2.run(api_calls)[0]
+    assert result["finalize"] is None and result["finalize_async"] is None
+    assert result["alias_warns"] == ["FutureWarning"] and result["alias_sets"] == 2.0
+    errors = result["errors"]
+    for name in ("custom_all_gather", "custom_reduce_scatter", "all_reduce_hook"):
+        kind, message = errors[name]
+        assert kind == "NotImplementedError" and "FSDPLinear" in message, (name, message)
+    assert errors["max_input_buffers_0"][0] == "ValueError"
+    for name in ("reset_on_a_block", "manual_finalization_on_a_block"):
+        kind, message = errors[name]
+        assert kind == "RuntimeError" and "root" in message, (name, message)
+
+
+def test_requires_all_reduce_false_on_hsdp_raises_naming_the_module(pool2):
+    kind, message = pool2.run(requires_all_reduce_on_hsdp)[0]
+    assert kind == "NotImplementedError"
+    assert "MLPStack" in message and "set_requires_gradient_sync(False)" in message
+
+
+@pytest.mark.parametrize("kind", ["ours", "fsdp2"])
+def test_reset_iter_state_recovers_from_an_aborted_forward_and_backward(pool2, kind):
+    for result in pool2.run(recover_after_aborted_steps, kind):
+        _close(result["after_aborts"], result["clean"], rtol=0, atol=0)
