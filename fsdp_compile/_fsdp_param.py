@@ -118,6 +118,9 @@ class FSDPParam:
         # the next forward reads instead of gathering.
         self.kept: torch.Tensor | None = None
         self._grad_accumulator: torch.Tensor | None = None
+        # HSDP with set_requires_all_reduce(False): the leaf collecting the reduce-scattered,
+        # not yet all-reduced, gradient (FSDP2's partial reduce output).
+        self._partial_accumulator: torch.Tensor | None = None
         self.owner: tuple[nn.Module, str] | None = None
         self.refresh_spec()
         # Whether the gathered tensor (dim 0 first) is what the module reads: no dim moved
@@ -167,13 +170,19 @@ class FSDPParam:
         if not torch.compiler.is_compiling() and forward_context.in_broken_graph():
             warn_gathered_in_broken_graph(self)
         local = self._gather_input(sharded_param)
-        accumulator = pending = None
+        accumulator = pending = partial_pending = partial_accumulator = None
         if self._grad_accumulator is not None:
             if self.unit.requires_gradient_sync:
                 pending = self._grad_accumulator.grad
             else:
                 accumulator = self._grad_accumulator
-        return self._note_gathered(gather_with_grad_sync(local, self.spec, pending, accumulator, self.kept))
+        if self._partial_accumulator is not None:
+            if self.unit.requires_all_reduce:
+                partial_pending = self._partial_accumulator.grad
+            else:
+                partial_accumulator = self._partial_accumulator
+        full = gather_with_grad_sync(local, self.spec, pending, accumulator, self.kept, partial_pending, partial_accumulator)
+        return self._note_gathered(full)
 
     def bucket_key(self) -> tuple | None:
         """What eager code buckets this parameter's collectives by with others of its
@@ -182,6 +191,8 @@ class FSDPParam:
         if self.kept is not None or not self.unit.requires_gradient_sync:
             return None
         if self._grad_accumulator is not None and self._grad_accumulator.grad is not None:
+            return None
+        if self._partial_accumulator is not None and (not self.unit.requires_all_reduce or self._partial_accumulator.grad is not None):
             return None
         return bucket_key(self.spec, self.sharded_param)
 
@@ -267,6 +278,25 @@ class FSDPParam:
         # gradient for the shard); only a synced pass has consumed the pending sum.
         if self._grad_accumulator is not None and self.unit.requires_gradient_sync:
             self._grad_accumulator.grad = None
+
+    def prepare_partial_reduction(self) -> None:
+        """Create the leaf that collects this parameter's reduce-scattered gradient while
+        the all-reduce over the replicate dimension is off (HSDP,
+        ``FSDPModule.set_requires_all_reduce(False)``): its ``.grad`` (the local shard's
+        size, in the reduction's dtype) is what autograd fills; the next backward with the
+        all-reduce on adds it before all-reducing, and a hook then drops it."""
+        if self._partial_accumulator is not None or not self.sharded_param.requires_grad:
+            return
+        with torch.no_grad():
+            local = self._gather_input(self.sharded_param)
+            dtype = self.spec.reduce_dtype or self.spec.param_dtype or local.dtype
+            seed = torch.zeros((), dtype=dtype, device=local.device)
+        self._partial_accumulator = seed.expand(local.shape).requires_grad_()
+        self.sharded_param.register_post_accumulate_grad_hook(self._drop_partial_reduction)
+
+    def _drop_partial_reduction(self, _param) -> None:
+        if self._partial_accumulator is not None and self.unit.requires_all_reduce:
+            self._partial_accumulator.grad = None
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn!r}, shape={tuple(self.sharded_param.shape)}, unit={self.unit.fqn!r})"

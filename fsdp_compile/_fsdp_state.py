@@ -87,6 +87,9 @@ class FSDPUnit:
     params: list[FSDPParam] = field(default_factory=list)
     is_root: bool = True
     requires_gradient_sync: bool = True
+    # False (HSDP): reduce-scatter gradients but do not all-reduce them over the replicate
+    # dimension yet (FSDP2's set_requires_all_reduce); set_requires_gradient_sync sets both.
+    requires_all_reduce: bool = True
     # False: gathered parameters stay gathered after backward, for the next forward
     # (FSDP2's set_reshard_after_backward; e.g. between gradient-accumulation micro-batches).
     reshard_after_backward: bool = True

@@ -113,9 +113,10 @@ class FSDPModule:
         gradient accumulates locally. The next backward with ``True``
         reduce-scatters everything accumulated. Under ``torch.compile`` the two
         modes are separate graphs (compiled once each), not a recompile per step.
+        As FSDP2's, it sets :meth:`set_requires_all_reduce` to the same value.
         """
         for unit in units_in(self, recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
+            unit.requires_gradient_sync = unit.requires_all_reduce = requires_gradient_sync
             if not requires_gradient_sync:
                 for fsdp_param in unit.params:
                     fsdp_param.prepare_gradient_accumulation()
@@ -224,19 +225,22 @@ class FSDPModule:
             unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's HSDP gradient accumulation with reduce-scatters but no all-reduce.
+        """HSDP gradient accumulation with reduce-scatters but no all-reduce, as FSDP2's.
 
-        Units with nothing to all-reduce (1-D meshes) accept it and change nothing,
-        as FSDP2's. ``False`` on an HSDP unit (or a replicated one) is not supported
-        yet and raises; use :meth:`set_requires_gradient_sync` (``False``) for
-        accumulation without any communication."""
+        ``False``: backward passes reduce-scatter each gradient over the shard dimension
+        but do not all-reduce it over the replicate dimension; the local shard's
+        reduce-scattered gradient accumulates (not in ``.grad``). The next backward with
+        ``True`` adds it before all-reducing, and ``.grad`` gets the sum over every
+        micro-batch. Costs a shard-sized buffer, unlike :meth:`set_requires_gradient_sync`
+        (``False``), which keeps the unsharded gradient and communicates nothing. Units
+        with nothing to all-reduce (1-D meshes) change nothing, as FSDP2's. Under
+        ``torch.compile`` the modes are separate graphs (compiled once each)."""
         for unit in units_in(self, recurse):
-            if not requires_all_reduce and unit.dp_mesh.replicate_group_name is not None:
-                raise NotImplementedError(
-                    f"set_requires_all_reduce(False) on {type(unit.modules[0]).__name__} (a unit that all-reduces "
-                    "gradients over a replicate dimension: HSDP or replicate) is not supported; accumulate "
-                    "without communication with set_requires_gradient_sync(False) instead"
-                )
+            unit.requires_all_reduce = bool(requires_all_reduce)
+            if not requires_all_reduce:
+                for fsdp_param in unit.params:
+                    if fsdp_param.reduce_group_names:
+                        fsdp_param.prepare_partial_reduction()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 compatibility; changes nothing. FSDP2 uses it to skip waiting on

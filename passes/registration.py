@@ -164,7 +164,8 @@ def _warn_if_recompile(gm: fx.GraphModule) -> None:
     warnings.warn(
         f"fsdp_compile: recompiling a graph (frame {attempt[0]}, compile #{attempt[1] + 1}) that holds "
         f"the sharded unit(s) {', '.join(repr(u or '(root)') for u in units)}. Expected after "
-        "train()/eval() switches or new input shapes; otherwise TORCH_LOGS=recompiles shows the guard "
+        "train()/eval() switches, new input shapes or the first switch of a set_requires_gradient_sync / "
+        "set_requires_all_reduce / set_reshard_after_* mode; otherwise TORCH_LOGS=recompiles shows the guard "
         "that failed, and fsdp_compile.debug.dump(DIR) writes each compiled graph.",
         stacklevel=2,
     )

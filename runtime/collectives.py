@@ -162,20 +162,24 @@ class _GatherWithGradSync(torch.autograd.Function):
 
     Backward, gradient sync on: the gradient (plus ``pending``, the unsharded
     gradient accumulated by earlier no-sync micro-batches), in ``reduce_dtype``
-    and pre-scaled, is reduce-scattered back into the local shard, then
-    all-reduced over each of ``reduce_group_names``, then cast to the shard's
-    dtype. Gradient sync off: no communication; the full gradient goes to
-    ``accumulator`` (a leaf whose ``.grad`` autograd accumulates) and the shard
-    gets none.
+    and pre-scaled, is reduce-scattered back into the local shard (plus
+    ``partial_pending``, what earlier micro-batches reduce-scattered without
+    all-reducing), then all-reduced over each of ``reduce_group_names``, then cast
+    to the shard's dtype. Gradient sync off: no communication; the full gradient
+    goes to ``accumulator`` (a leaf whose ``.grad`` autograd accumulates) and the
+    shard gets none. All-reduce off (``partial_accumulator``, HSDP's
+    ``set_requires_all_reduce(False)``): reduce-scattered, not all-reduced; the
+    result goes to ``partial_accumulator`` and the shard gets none.
     """
 
     @staticmethod
-    def forward(ctx, local, pending, accumulator, spec: CollectiveSpec, kept):
+    def forward(ctx, local, pending, accumulator, spec: CollectiveSpec, kept, partial_pending=None, partial_accumulator=None):
         # (Dynamo traces this at every parameter read: kept short on purpose.)
         ctx.spec, ctx.shard_dtype, ctx.sync = spec, local.dtype, accumulator is None
-        ctx.has_pending = pending is not None
-        if pending is not None:
-            ctx.save_for_backward(pending)
+        ctx.has_pending, ctx.has_partial_pending = pending is not None, partial_pending is not None
+        ctx.all_reduce = partial_accumulator is None
+        if pending is not None or partial_pending is not None:
+            ctx.save_for_backward(pending, partial_pending)
         if kept is not None:  # still gathered from the last forward (reshard_after_backward=False)
             return kept.view_as(kept)
         if spec.param_dtype is not None and spec.param_dtype != local.dtype:
@@ -188,11 +192,15 @@ class _GatherWithGradSync(torch.autograd.Function):
     def backward(ctx, grad):
         spec = ctx.spec
         if not ctx.sync:
-            return None, None, grad.to(ctx.shard_dtype), None, None
+            return None, None, grad.to(ctx.shard_dtype), None, None, None, None
         with fx_annotate(spec.reduce_meta):
             grad = _gradient_to_reduce(ctx, grad, spec)
             if spec.layout is not None:
                 grad = _reduce_scatter(grad, spec.layout, spec.reduce_op)
+        if not ctx.all_reduce:
+            return None, None, None, None, None, None, grad
+        if ctx.has_partial_pending:
+            grad = grad + ctx.saved_tensors[1]
         if spec.reduce_group_names:
             with fx_annotate(spec.all_reduce_meta):
                 for group_name in spec.reduce_group_names:
@@ -200,14 +208,14 @@ class _GatherWithGradSync(torch.autograd.Function):
         if grad.dtype != ctx.shard_dtype:
             with fx_annotate(spec.reduce_meta):
                 grad = grad.to(ctx.shard_dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def _gradient_to_reduce(ctx, grad: torch.Tensor, spec: CollectiveSpec) -> torch.Tensor:
     """The gradient as it enters the reduction: plus the gradient accumulated without
     sync, in ``reduce_dtype``, pre-scaled by ``grad_scale``."""
     if ctx.has_pending:
-        (pending,) = ctx.saved_tensors
+        pending = ctx.saved_tensors[0]
         grad = grad.to(pending.dtype) + pending
     if spec.reduce_dtype is not None and spec.reduce_dtype != grad.dtype:
         grad = grad.to(spec.reduce_dtype)
@@ -222,6 +230,8 @@ def gather_with_grad_sync(
     pending: torch.Tensor | None = None,
     accumulator: torch.Tensor | None = None,
     kept: torch.Tensor | None = None,
+    partial_pending: torch.Tensor | None = None,
+    partial_accumulator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The full tensor from this rank's shard ``local`` (unpadded,
     ``spec.layout.local_shape``; the whole tensor when ``spec.layout`` is ``None``);
@@ -234,11 +244,17 @@ def gather_with_grad_sync(
     ``kept``: the full tensor (dim 0 first, in ``param_dtype``) kept gathered since
     the last forward (``set_reshard_after_backward(False)``); returned instead of
     gathering, with the same backward.
+
+    HSDP accumulation without all-reduce: with ``partial_accumulator`` the reduce-scattered
+    gradient is not all-reduced but accumulated into ``partial_accumulator.grad``;
+    ``partial_pending`` (that accumulated shard gradient) is added before the next
+    all-reduce.
     """
     if kept is None and spec.layout is not None:
-        return gather_op(local, pending, accumulator, spec.key)  # the common case: see gather_op
+        # the common case: see gather_op
+        return gather_op(local, pending, accumulator, spec.key, partial_pending, partial_accumulator)
     with fx_annotate(spec.meta):
-        return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept)
+        return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept, partial_pending, partial_accumulator)
 
 
 # The common gather as one opaque op for Dynamo. Dynamo speculates an
@@ -251,13 +267,16 @@ def gather_with_grad_sync(
 # :func:`gather_with_grad_sync`).
 _SPECS_BY_KEY: dict[str, CollectiveSpec] = {}
 _LIBRARY = torch.library.Library("fsdp_compile", "DEF")
-_LIBRARY.define("gather_with_grad_sync(Tensor local, Tensor? pending, Tensor? accumulator, str spec) -> Tensor")
+_LIBRARY.define(
+    "gather_with_grad_sync(Tensor local, Tensor? pending, Tensor? accumulator, str spec, "
+    "Tensor? partial_pending=None, Tensor? partial_accumulator=None) -> Tensor"
+)
 
 
-def _gather_with_grad_sync_op(local, pending, accumulator, spec_key: str) -> torch.Tensor:
+def _gather_with_grad_sync_op(local, pending, accumulator, spec_key: str, partial_pending=None, partial_accumulator=None) -> torch.Tensor:
     spec = _SPECS_BY_KEY[spec_key]
     with fx_annotate(spec.meta):
-        return _GatherWithGradSync.apply(local, pending, accumulator, spec, None)
+        return _GatherWithGradSync.apply(local, pending, accumulator, spec, None, partial_pending, partial_accumulator)
 
 
 _LIBRARY.impl("gather_with_grad_sync", _gather_with_grad_sync_op, "CompositeImplicitAutograd")

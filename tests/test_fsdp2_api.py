@@ -93,6 +93,7 @@ def api_calls() -> dict:
     model.set_allocate_memory_from_process_group_for_comm(True)
     model.set_reduce_scatter_max_input_buffers(2)
     model.set_requires_all_reduce(False)  # a 1-D mesh: nothing to all-reduce, as FSDP2
+    model.set_requires_all_reduce(True)
     model.set_manual_backward_finalization(True)
     layer.set_unshard_in_backward(False)
     out: dict = {"finalize": model.finalize_backward(), "finalize_async": model.finalize_backward(async_op=True).wait()}
@@ -120,23 +121,52 @@ def api_calls() -> dict:
     return out
 
 
-def requires_all_reduce_on_hsdp() -> tuple[str, str]:
-    """``set_requires_all_reduce(False)`` on an HSDP unit (2 ranks: replicate 2 x shard 1)."""
+def hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) -> dict:
+    """HSDP on 4 ranks (replicate 2 x shard 2), 2 micro-batches per AdamW step: the first
+    with ``set_requires_all_reduce(False)`` (``"no_all_reduce"``) or
+    ``set_requires_gradient_sync(False)`` (``"no_sync"``), the second with
+    ``set_requires_gradient_sync(True)`` (as ``transformers``' Trainer does). Returns the
+    parameters after each step, the functional collectives each micro-batch ran, and the
+    graphs compiled after the first and the last step."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile import fully_shard
+    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing import full_parameters
     from fsdp_compile.testing.models import MLPStack
+    from tests.models import compile_counting_graphs
 
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    model = MLPStack(dim=4, n_layers=1)
-    fully_shard(model.layers[0], mesh=mesh)
+    reset_dynamo()
+    fully_shard = fully_shard_of(kind)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = MLPStack(dim=10, n_layers=3, bias=True)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.set_requires_all_reduce(True)  # the default: accepted
-    try:
-        model.set_requires_all_reduce(False)
-    except NotImplementedError as e:
-        return type(e).__name__, str(e)
-    return "no error", ""
+    run, counter = compile_counting_graphs(model, backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    params, collectives, graphs = [], [], []
+    for _ in range(STEPS):
+        for micro in range(2):
+            if micro == 0:
+                getattr(model, {"no_all_reduce": "set_requires_all_reduce", "no_sync": "set_requires_gradient_sync"}[first_micro_batch])(False)
+            else:
+                model.set_requires_gradient_sync(True)
+            with torch.profiler.profile() as prof:
+                run(torch.randn(4, 10, generator=gen)).square().mean().backward()
+            ran: dict = {}
+            for e in prof.key_averages():
+                if e.key.startswith("_c10d_functional::") and "wait" not in e.key:
+                    name = e.key.split("::")[1].rstrip("_")  # Inductor may run the in-place all_reduce_
+                    ran[name] = ran.get(name, 0) + e.count
+            collectives.append(ran)
+        opt.step()
+        opt.zero_grad()
+        params.append(full_parameters(model))
+        graphs.append(counter.frame_count if counter else None)
+    return {"params": params, "collectives": collectives, "graphs": graphs}
 
 
 def recover_after_aborted_steps(kind: str) -> dict:
@@ -246,10 +276,28 @@ def test_fsdp2_hints_are_accepted_and_unsupported_methods_raise(pool2):
         assert kind == "RuntimeError" and "root" in message, (name, message)
 
 
-def test_requires_all_reduce_false_on_hsdp_raises_naming_the_module(pool2):
-    kind, message = pool2.run(requires_all_reduce_on_hsdp)[0]
-    assert kind == "NotImplementedError"
-    assert "MLPStack" in message and "set_requires_gradient_sync(False)" in message
+@pytest.fixture(scope="module")
+def pool4(rank_pools):
+    return rank_pools(4)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"], ids=["eager", "aot_eager", "inductor"])
+def test_hsdp_accumulation_without_all_reduce_matches_fsdp2(pool4, backend):
+    """``set_requires_all_reduce(False)`` on the first of two micro-batches: that backward
+    reduce-scatters and all-reduces nothing; the last one all-reduces the sum of both;
+    training matches FSDP2's with the same calls (and ``set_requires_gradient_sync``),
+    with one graph per mode, compiled once."""
+    expected = pool4.run(hsdp_accumulation, "fsdp2", None, "no_all_reduce")[0]
+    for mode in ("no_all_reduce", "no_sync"):
+        for rank, got in enumerate(pool4.run(hsdp_accumulation, "ours", backend, mode)):
+            for step, (g, e) in enumerate(zip(got["params"], expected["params"])):
+                _close(g, e, rtol=1e-5, atol=1e-6)
+            first, last = got["collectives"][-2], got["collectives"][-1]
+            assert "all_reduce" not in first, (mode, rank, first)
+            assert ("reduce_scatter_tensor" in first) == (mode == "no_all_reduce"), (mode, rank, first)
+            assert last.get("all_reduce", 0) > 0 and last.get("reduce_scatter_tensor", 0) > 0, (mode, rank, last)
+            if backend:
+                assert got["graphs"][0] == got["graphs"][-1] <= 2, got["graphs"]
 
 
 @pytest.mark.parametrize("kind", ["ours", "fsdp2"])
