@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_compile._compat import fx_annotate
 from fsdp_compile._eager_reduce import defers_reduction, pending_reductions
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
 from fsdp_compile.runtime.collectives import (
@@ -82,6 +83,8 @@ class FSDPParam:
         tp = self.tensor_parallel = TensorParallelSpec.of(param) if isinstance(param, DTensor) else None
         data = (param if tp is None else param.to_local()).detach()
         self.shard_dim = shard_dim
+        # The dtype it is gathered and computed in (per parameter: param_dtype_override_fn).
+        self.param_dtype = param_dtype_for(unit.mp_policy, param)
         if data.ndim == 0 or not dp.shards:
             self.layout = None  # replicated: gradient all-reduced
             local = data.clone()
@@ -150,7 +153,7 @@ class FSDPParam:
             reduce_group_names=self.reduce_group_names,
             reduce_op="avg" if factor is None else "sum",
             grad_scale=None if factor is None else 1.0 / factor,
-            param_dtype=unit.mp_policy.param_dtype,
+            param_dtype=self.param_dtype,
             reduce_dtype=unit.mp_policy.reduce_dtype,
         )
 

@@ -13,7 +13,7 @@ from fsdp_compile import fully_shard
 from fsdp_compile.testing.models import Llama, LlamaConfig, MLPStack
 
 __all__ = [
-    "Llama", "LlamaConfig", "MLPStack", "Zoo", "build", "batch", "loss_fn",
+    "Llama", "LlamaConfig", "MLPStack", "Routed", "Zoo", "build", "batch", "loss_fn",
     "shard_blocks", "fully_shard_of", "compile_counting_graphs",
 ]
 
@@ -42,6 +42,32 @@ class Zoo(nn.Module):
             h = h * 0.9
         reused = F.linear(h, self.head.weight)  # head's weight outside head's forward
         return self.head(h) + 0.5 * reused + self.tiny(h) * self.scale
+
+
+class RoutedBlock(nn.Module):
+    """A residual block gated by a router computed in fp32 (as MoE routers are): the
+    router's weight is marked ``keep_fp32`` for ``param_dtype_override_fn``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, dim, bias=False)
+        self.router.weight.keep_fp32 = True
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(F.linear(x.float(), self.router.weight.float()), -1).to(x.dtype)
+        return x + self.proj(x * gate)
+
+
+class Routed(nn.Module):
+    def __init__(self, dim: int = 6, n_layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(RoutedBlock(dim) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 def zoo_units(model: Zoo) -> list[nn.Module]:
@@ -77,6 +103,9 @@ def build(name: str) -> tuple[nn.Module, list]:
     if name == "zoo":
         model = Zoo()
         return model, zoo_units(model)
+    if name == "routed":
+        model = Routed()
+        return model, [*model.layers, model]
     raise KeyError(name)
 
 
@@ -86,7 +115,7 @@ def batch(name: str, step: int, global_batch: int = 4) -> tuple[torch.Tensor, to
     if name.startswith("llama"):
         tokens = torch.randint(0, 64, (global_batch, 17), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
-    dim_in, dim_out = {"mlp": (5, 5), "zoo": (4, 3)}[name]
+    dim_in, dim_out = {"mlp": (5, 5), "zoo": (4, 3), "routed": (6, 6)}[name]
     return torch.randn(global_batch, dim_in, generator=g), torch.randn(global_batch, dim_out, generator=g)
 
 

@@ -9,15 +9,15 @@ from tests.models import batch, build
 from tests.test_parity import _assert_records_equal, _shard_model, train_all
 
 
-def compiled_collective_dtypes(mp: str) -> dict:
+def compiled_collective_dtypes(mp: str, name: str = "mlp") -> dict:
     """Dtypes of the captured collectives' inputs in the forward and backward graphs."""
     from fsdp_compile._compat import c10d_functional
     from fsdp_compile.testing import GraphCapture, collective_nodes
 
-    model, units = build("mlp")
+    model, units = build(name)
     _shard_model("ours", units, mp)
     capture = GraphCapture()
-    x, y = batch("mlp", 0)
+    x, y = batch(name, 0)
     torch.compile(model, backend=capture)(x).sum().backward()
     (fw,), (bw,) = capture.forward_graphs, capture.backward_graphs
     dtypes = lambda g, op: sorted({str(n.args[0].meta["val"].dtype) for n in collective_nodes(g, op)})  # noqa: E731
@@ -40,8 +40,21 @@ def _results(pool2, name: str, mp: str) -> dict:
     return _cache[key]
 
 
-@pytest.mark.parametrize("name", ["mlp", "llama"])
-@pytest.mark.parametrize("mp", ["bf16", "bf16-reduce-bf16"])
+def _has_param_dtype_override() -> bool:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return "param_dtype_override_fn" in MixedPrecisionPolicy.__dataclass_fields__
+
+
+needs_override = pytest.mark.skipif(not _has_param_dtype_override(), reason="MixedPrecisionPolicy.param_dtype_override_fn is torch >= 2.15")
+
+
+@pytest.mark.parametrize(
+    "name,mp",
+    [
+        (name, mp) for name in ("mlp", "llama") for mp in ("bf16", "bf16-reduce-bf16")
+    ] + [pytest.param("routed", "bf16-router-fp32", marks=needs_override)],  # its routers stay fp32
+)
 def test_matches_torch_fsdp2_with_the_same_policy(pool2, name, mp):
     r = _results(pool2, name, mp)
     _assert_records_equal(r["ours-eager"], r["ours-aot_eager"], exact=True, what=f"{mp}: aot_eager vs eager")
@@ -51,11 +64,47 @@ def test_matches_torch_fsdp2_with_the_same_policy(pool2, name, mp):
 
 
 @pytest.mark.parametrize(
-    "mp,gather,reduce",
-    [("bf16", "torch.bfloat16", "torch.float32"), ("bf16-reduce-bf16", "torch.bfloat16", "torch.bfloat16")],
+    "name,mp,gather,reduce",
+    [
+        ("mlp", "bf16", ["torch.bfloat16"], "torch.float32"),
+        ("mlp", "bf16-reduce-bf16", ["torch.bfloat16"], "torch.bfloat16"),
+    ],
 )
-def test_collective_dtypes_in_the_graph(pool2, mp, gather, reduce):
-    d = pool2.run(compiled_collective_dtypes, mp)[0]
-    assert d["forward_all_gather"] == [gather]  # bf16 gathers move half the bytes
+def test_collective_dtypes_in_the_graph(pool2, name, mp, gather, reduce):
+    d = pool2.run(compiled_collective_dtypes, mp, name)[0]
+    assert d["forward_all_gather"] == gather  # bf16 gathers move half the bytes
     assert d["backward_reduce_scatter"] == [reduce]
     assert d["param_dtypes"] == d["grad_dtypes"] == ["torch.float32"]  # sharded state stays fp32
+
+
+def gathered_dtypes_with_override() -> dict:
+    """Each parameter's gathered dtype under ``param_dtype_override_fn`` (the routers kept
+    fp32), and the error for an override FSDP2 rejects too."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile._fully_shard import managed_params
+    from tests.test_parity import MIXED_PRECISION
+
+    model, units = build("routed")
+    _shard_model("ours", units, "bf16-router-fp32")
+    out = {"dtypes": {p.fqn: str(p.spec.param_dtype) for p in managed_params(model)}}
+    bad = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float16)
+    other, _ = build("mlp")
+    try:
+        fully_shard(other, mp_policy=bad)
+        out["bad"] = "no error"
+    except ValueError as e:
+        out["bad"] = str(e)
+    assert MIXED_PRECISION  # (imported for its policies)
+    return out
+
+
+@needs_override
+def test_param_dtype_override_fn_keeps_chosen_parameters_in_their_dtype(pool2):
+    d = pool2.run(gathered_dtypes_with_override)[0]
+    routers = {name: d["dtypes"].pop(name) for name in list(d["dtypes"]) if "router" in name}
+    assert set(routers) == {"layers.0.router.weight", "layers.1.router.weight"}
+    assert set(routers.values()) == {"torch.float32"}
+    assert set(d["dtypes"].values()) == {"torch.bfloat16"}, d["dtypes"]
+    assert "param_dtype_override_fn returned torch.float16" in d["bad"] and "shape (5, 5)" in d["bad"]

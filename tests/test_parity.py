@@ -28,6 +28,12 @@ MIXED_PRECISION = {
     None: None,
     "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "bf16-reduce-bf16": dict(param_dtype=torch.bfloat16),
+    # torch >= 2.15: parameters marked keep_fp32 (the routed model's routers) stay fp32.
+    "bf16-router-fp32": dict(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        param_dtype_override_fn=lambda p: p.dtype if getattr(p, "keep_fp32", False) else None,
+    ),
 }
 
 
