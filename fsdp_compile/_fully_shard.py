@@ -377,6 +377,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims=None,
 ):
     """Shard ``module``'s parameters over ``mesh`` along dim 0, as FSDP2's ``fully_shard``.
 
@@ -413,10 +414,19 @@ def fully_shard(
             gradients (and so optimizer state) on the CPU and copies each shard
             to the mesh's device right before its all-gather.
         ignored_params: parameters left unsharded and unmanaged.
+        dp_mesh_dims: FSDP2's SPMD-mesh mode (torch 2.13: modules compute on DTensors of
+            the full mesh) is not supported and raises; pass the data-parallel sub-mesh
+            as ``mesh`` (with tensor parallelism applied first on the other dims).
     """
     from fsdp_compile.passes.registration import install_passes
 
     install_passes()  # again: torch._dynamo.reset() forgets part of it (see install_passes)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard({_unit_name(_as_module_list(module))}, dp_mesh_dims=...): FSDP2's SPMD-mesh mode (modules "
+            "computing on DTensors of the full mesh) is not supported; pass the data-parallel sub-mesh instead, "
+            "e.g. fully_shard(block, mesh=mesh['dp']) after parallelize_module(block, mesh['tp'], plan)"
+        )
     return _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, shard=True)
 
 

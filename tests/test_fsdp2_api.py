@@ -219,6 +219,24 @@ def recover_after_aborted_steps(kind: str) -> dict:
     return {"clean": train(False), "after_aborts": train(True)}
 
 
+def dp_mesh_dims_error() -> tuple[str, str, bool]:
+    """``dp_mesh_dims`` (FSDP2's SPMD-mesh mode) raises, naming the unit, changing nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing.models import MLPStack
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = MLPStack(dim=4, n_layers=1)
+    try:
+        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        kind, message = "no error", ""
+    except Exception as e:  # noqa: BLE001
+        kind, message = type(e).__name__, str(e)
+    return kind, message, type(model) is MLPStack and type(model.layers[0].weight) is nn.Parameter
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -236,6 +254,17 @@ def test_every_public_method_of_torchs_fsdp_module_exists():
     module_api = set(dir(nn.Module))
     missing = sorted(n for n in dir(TorchFSDPModule) if not n.startswith("_") and n not in module_api and not hasattr(FSDPModule, n))
     assert missing == []
+
+
+def test_fully_shard_takes_every_argument_of_torchs():
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compile import fully_shard
+
+    ours = inspect.signature(fully_shard).parameters
+    assert [n for n in inspect.signature(torch_fully_shard).parameters if n not in ours] == []
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
@@ -304,3 +333,9 @@ def test_hsdp_accumulation_without_all_reduce_matches_fsdp2(pool4, backend):
 def test_reset_iter_state_recovers_from_an_aborted_forward_and_backward(pool2, kind):
     for result in pool2.run(recover_after_aborted_steps, kind):
         _close(result["after_aborts"], result["clean"], rtol=0, atol=0)
+
+
+def test_dp_mesh_dims_raises_naming_the_unit_and_changes_nothing(pool2):
+    kind, message, untouched = pool2.run(dp_mesh_dims_error)[0]
+    assert kind == "NotImplementedError" and "fully_shard(MLPStack, dp_mesh_dims=...)" in message, message
+    assert "mesh=mesh['dp']" in message and untouched
