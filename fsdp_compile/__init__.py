@@ -10,7 +10,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from fsdp_compile import debug
 from fsdp_compile._compat import register_torch_log
 from fsdp_compile._fsdp_param import FSDPParam
-from fsdp_compile._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, replicate
+from fsdp_compile._fully_shard import (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    replicate,
+    share_comm_ctx,
+)
 from fsdp_compile.passes.registration import install_passes
 
 install_passes()
@@ -26,5 +34,7 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "UnshardHandle",
+    "GradientReductionHandle",
 ]

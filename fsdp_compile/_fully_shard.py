@@ -297,11 +297,11 @@ class FSDPModule:
                 f"set_manual_backward_finalization: call it on the root sharded module, not on {type(self).__name__}"
             )
 
-    def finalize_backward(self, *, async_op: bool = False) -> "UnshardHandle | None":
+    def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
         """FSDP2's (torch 2.15): finish the backward's gradient reductions. Each backward
         has already finished its own; returns a handle whose ``wait()`` returns at once
         when ``async_op``."""
-        return UnshardHandle() if async_op else None
+        return GradientReductionHandle() if async_op else None
 
     def set_custom_all_gather(self, comm) -> None:
         """Not supported: our all-gathers are functional collectives that the compiled graph
@@ -340,11 +340,26 @@ class FSDPModule:
 
 
 class UnshardHandle:
-    """Returned by ``unshard(async_op=True)`` (and ``finalize_backward(async_op=True)``);
-    the work has already completed."""
+    """Returned by ``unshard(async_op=True)``; the gather has already completed."""
 
     def wait(self) -> None:
         return None
+
+
+class GradientReductionHandle:
+    """Returned by ``finalize_backward(async_op=True)``; the reductions have already completed."""
+
+    def wait(self) -> None:
+        return None
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's ``share_comm_ctx`` (one set of CUDA streams for several roots, e.g. pipeline
+    stages): accepted for the same modules and changes nothing, as no side streams are
+    used here (compiled graphs and eager code issue collectives in program order)."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects modules passed to fully_shard, got {type(module).__name__}")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

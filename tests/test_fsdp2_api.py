@@ -75,7 +75,7 @@ def api_calls() -> dict:
     """The hints accepted, the deprecated divide-factor alias, what raises."""
     import warnings
 
-    from fsdp_compile import fully_shard
+    from fsdp_compile import fully_shard, share_comm_ctx
     from fsdp_compile.testing.models import MLPStack
 
     torch.manual_seed(0)
@@ -96,6 +96,7 @@ def api_calls() -> dict:
     model.set_requires_all_reduce(True)
     model.set_manual_backward_finalization(True)
     layer.set_unshard_in_backward(False)
+    share_comm_ctx([model, layer])
     out: dict = {"finalize": model.finalize_backward(), "finalize_async": model.finalize_backward(async_op=True).wait()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -110,6 +111,7 @@ def api_calls() -> dict:
         "max_input_buffers_0": lambda: layer.set_reduce_scatter_max_input_buffers(0),
         "reset_on_a_block": layer.reset_iter_state,
         "manual_finalization_on_a_block": lambda: layer.set_manual_backward_finalization(True),
+        "share_comm_ctx_unsharded": lambda: share_comm_ctx([model, nn.Linear(2, 2)]),
     }
     for name, call in calls.items():
         try:
@@ -256,6 +258,17 @@ def test_every_public_method_of_torchs_fsdp_module_exists():
     assert missing == []
 
 
+def test_every_public_name_of_torchs_fsdp_package_that_applies_exists():
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp_compile
+
+    # FSDP1's API, and DataParallelMeshDims (the SPMD-mesh mode fully_shard rejects)
+    not_applicable = {n for n in torch_fsdp.__all__ if n in dir(torch.distributed.fsdp.fully_sharded_data_parallel)}
+    missing = [n for n in torch_fsdp.__all__ if not hasattr(fsdp_compile, n) and n not in not_applicable | {"DataParallelMeshDims"}]
+    assert missing == []
+
+
 def test_fully_shard_takes_every_argument_of_torchs():
     import inspect
 
@@ -300,6 +313,7 @@ def test_fsdp2_hints_are_accepted_and_unsupported_methods_raise(pool2):
         kind, message = errors[name]
         assert kind == "NotImplementedError" and "FSDPLinear" in message, (name, message)
     assert errors["max_input_buffers_0"][0] == "ValueError"
+    assert errors["share_comm_ctx_unsharded"][0] == "ValueError" and "Linear" in errors["share_comm_ctx_unsharded"][1]
     for name in ("reset_on_a_block", "manual_finalization_on_a_block"):
         kind, message = errors[name]
         assert kind == "RuntimeError" and "root" in message, (name, message)
