@@ -158,6 +158,8 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
                 for g, spec, dtype in zip(grads, specs, ctx.shard_dtypes)
             )
         members = [i for i, g in enumerate(grads) if g is not None]
+        if not members:  # every output reached backward without a gradient: nothing to reduce
+            return (None,) * (4 + ctx.n_tensors)
         with fx_annotate(first.reduce_meta):
             def issue() -> ReduceScatterInFlight:
                 return issue_reduce_scatter_bucket(
