@@ -415,12 +415,32 @@ def reset_dynamo() -> None:
     torch._dynamo.reset()
 
 
-def compile_counter(backend):
-    """torch/_dynamo/testing.py ``CompileCounterWithBackend``: a backend that runs
-    ``backend`` and counts the graphs (``frame_count``) it was given."""
-    from torch._dynamo.testing import CompileCounterWithBackend
+class _GraphCounter:
+    """A ``torch.compile`` backend that runs ``backend`` and counts (``frame_count``) and
+    keeps (``graphs``) the graphs it compiled. A graph whose compilation raised is not
+    counted: with ``dynamic=True`` AOTAutograd can ask Dynamo to restart its analysis
+    (scalar tensorification, torch/fx/passes/_tensorify_python_scalars.py), and Dynamo then
+    hands the backend the frame again; torch/_dynamo/testing.py's
+    ``CompileCounterWithBackend`` counted that frame twice under ``aot_eager`` and Inductor
+    but once under ``eager``."""
 
-    return CompileCounterWithBackend(backend)
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.frame_count = 0
+        self.graphs: list = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo import lookup_backend
+
+        compiled = lookup_backend(self.backend)(gm, example_inputs)
+        self.frame_count += 1
+        self.graphs.append(gm)
+        return compiled
+
+
+def compile_counter(backend) -> _GraphCounter:
+    """A backend that runs ``backend`` and counts the graphs it compiled (see :class:`_GraphCounter`)."""
+    return _GraphCounter(backend)
 
 
 def aot_autograd_backend(forward_compiler, backward_compiler, partitioner: str):
