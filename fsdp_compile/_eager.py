@@ -117,7 +117,7 @@ def gather_unit(unit: FSDPUnit) -> None:
         _open_slots.pop(fsdp_param, None)
     for key, bucket in _buckets(to_gather, FSDPParam.bucket_key):
         prefetched = forward_prefetch.take(bucket) if key is not None else None
-        if prefetched is not None or (key is not None and (len(bucket) > 1 or unit.reduce_scatter_unused_params)):
+        if prefetched is not None or (key is not None and len(bucket) > 1):
             gather_bucket(bucket, prefetched)
         else:
             for fsdp_param in bucket:

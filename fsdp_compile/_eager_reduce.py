@@ -81,7 +81,7 @@ class _PendingReductions:
     def deliverer(self, shards: list[torch.Tensor]) -> Callable[[Callable[[], ReduceScatterInFlight], list[int]], None]:
         """What the bucket gathered from ``shards`` calls in backward with the function
         that issues its reduce-scatter and the indices of the shards it reduces."""
-        return lambda issue, members: self.add(shards if len(members) == len(shards) else [shards[i] for i in members], issue)
+        return lambda issue, members: self.add([shards[i] for i in members], issue)
 
     def add(self, shards: list[torch.Tensor], issue: Callable[[], ReduceScatterInFlight]) -> None:
         """Issue a reduction (``issue()``) once at most ``depth - 1`` are left in flight:

@@ -261,43 +261,40 @@ class FSDPParam:
 
     def prepare_gradient_accumulation(self) -> None:
         """Create the leaf that collects this parameter's unsharded gradient while
-        gradient sync is off (``FSDPModule.set_requires_gradient_sync(False)``).
-
-        A zero-strided expand of one element: it costs no memory itself; its
-        ``.grad`` (full size, in the parameter's dtype) is what autograd fills,
-        as FSDP2 keeps unsharded gradients. The next synced backward adds it
-        before the reduce-scatter; a hook on the sharded parameter then drops it.
-        """
-        if self._grad_accumulator is not None or not self.sharded_param.requires_grad:
-            return
-        local = self.sharded_param.to_local()
-        with torch.no_grad():
-            seed = torch.zeros((), dtype=local.dtype, device=local.device)
-        self._grad_accumulator = seed.expand(self.sharded_param.shape).requires_grad_()
-        self.sharded_param.register_post_accumulate_grad_hook(self._drop_accumulated_grad)
-
-    def _drop_accumulated_grad(self, _param) -> None:
-        # Autograd runs this hook in no-sync backward passes too (with no
-        # gradient for the shard); only a synced pass has consumed the pending sum.
-        if self._grad_accumulator is not None and self.unit.requires_gradient_sync:
-            self._grad_accumulator.grad = None
+        gradient sync is off (``FSDPModule.set_requires_gradient_sync(False)``): its
+        ``.grad`` (full size, in the parameter's dtype) is what autograd fills, as FSDP2
+        keeps unsharded gradients. The next synced backward adds it before the
+        reduce-scatter; a hook on the sharded parameter then drops it."""
+        if self._grad_accumulator is None and self.sharded_param.requires_grad:
+            local = self.sharded_param.to_local()
+            self._grad_accumulator = self._accumulation_leaf(self.sharded_param.shape, local.dtype, local.device)
 
     def prepare_partial_reduction(self) -> None:
         """Create the leaf that collects this parameter's reduce-scattered gradient while
         the all-reduce over the replicate dimension is off (HSDP,
         ``FSDPModule.set_requires_all_reduce(False)``): its ``.grad`` (the local shard's
         size, in the reduction's dtype) is what autograd fills; the next backward with the
-        all-reduce on adds it before all-reducing, and a hook then drops it."""
-        if self._partial_accumulator is not None or not self.sharded_param.requires_grad:
-            return
-        with torch.no_grad():
-            local = self._gather_input(self.sharded_param)
+        all-reduce on adds it before all-reducing, and the same hook then drops it."""
+        if self._partial_accumulator is None and self.sharded_param.requires_grad:
+            with torch.no_grad():
+                local = self._gather_input(self.sharded_param)
             dtype = self.spec.reduce_dtype or self.spec.param_dtype or local.dtype
-            seed = torch.zeros((), dtype=dtype, device=local.device)
-        self._partial_accumulator = seed.expand(local.shape).requires_grad_()
-        self.sharded_param.register_post_accumulate_grad_hook(self._drop_partial_reduction)
+            self._partial_accumulator = self._accumulation_leaf(local.shape, dtype, local.device)
 
-    def _drop_partial_reduction(self, _param) -> None:
+    def _accumulation_leaf(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A leaf whose ``.grad`` autograd accumulates: a zero-strided expand of one element
+        (no memory of its own). The first one hooks :meth:`_drop_consumed_accumulations`."""
+        if self._grad_accumulator is None and self._partial_accumulator is None:
+            self.sharded_param.register_post_accumulate_grad_hook(self._drop_consumed_accumulations)
+        with torch.no_grad():
+            seed = torch.zeros((), dtype=dtype, device=device)
+        return seed.expand(shape).requires_grad_()
+
+    def _drop_consumed_accumulations(self, _param) -> None:
+        # Autograd runs this hook in no-sync / no-all-reduce backward passes too (with
+        # no gradient for the shard); only a pass that reduced has consumed a pending sum.
+        if self._grad_accumulator is not None and self.unit.requires_gradient_sync:
+            self._grad_accumulator.grad = None
         if self._partial_accumulator is not None and self.unit.requires_all_reduce:
             self._partial_accumulator.grad = None
 

@@ -218,9 +218,12 @@ class FSDPModule:
         on the tokens routed to them, a branch on the data): with ``False`` (the
         default, as FSDP2) a parameter without a gradient is left out of the unit's
         reduce-scatter and keeps ``.grad`` ``None``, as in an unsharded model, so
-        ranks that disagree issue different collectives. Eager backward only: a
-        compiled step runs the same graph on every rank (checked on its first run), so
-        a parameter is unused on every rank or on none, and keeps ``.grad`` ``None``."""
+        ranks that disagree issue different collectives. Each rank must still use some
+        parameter of the unit's bucket (the router, another expert): a bucket no
+        parameter of which got a gradient on a rank is not reduced there. Eager backward
+        only: a compiled step runs the same graph on every rank (checked on its first
+        run), so a parameter is unused on every rank or on none, and keeps ``.grad``
+        ``None``."""
         for unit in units_in(self, recurse):
             unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 

@@ -97,12 +97,13 @@ def _recording(events: list, model) -> None:
     unit_of_shards = {}
 
     def deliverer(shards):
-        unit_of_shards[id(shards)] = unit_now[0]
+        unit = unit_now[0]
+        unit_of_shards.update({id(s): unit for s in shards})
         deliver = originals["deliverer"](shards)
 
         def logged(issue, members):
             def logged_issue():
-                events.append(("reduce issued", unit_of_shards[id(shards)]))
+                events.append(("reduce issued", unit))
                 return issue()
 
             deliver(logged_issue, members)
@@ -110,7 +111,7 @@ def _recording(events: list, model) -> None:
         return logged
 
     def finish(pending):
-        events.append(("reduce finished", unit_of_shards[id(pending.shards)]))
+        events.append(("reduce finished", unit_of_shards[id(pending.shards[0])]))
         return originals["finish"](pending)
 
     handles = [

@@ -194,6 +194,18 @@ def recover_after_aborted_steps(kind: str) -> dict:
         if aborting["backward"]:
             output.register_hook(raise_in_backward)
 
+    def in_flight() -> int:
+        """Our eager state an aborted step can leave behind (0 for FSDP2: not ours)."""
+        if kind != "ours":
+            return 0
+        from fsdp_compile import _eager, _eager_reduce
+        from fsdp_compile._fsdp_state import forward_context
+
+        return (len(_eager.forward_prefetch.in_flight) + len(_eager._regathers_in_flight)
+                + len(_eager_reduce.pending_reductions.pending) + len(_eager._open_slots) + forward_context.depth)
+
+    left = {}
+
     def train(abort: bool) -> dict:
         torch.manual_seed(0)
         model = MLPStack(dim=8, n_layers=3)
@@ -210,7 +222,9 @@ def recover_after_aborted_steps(kind: str) -> dict:
                 with pytest.raises(Boom):
                     model(x).square().mean().backward()
                 aborting[where] = False
+                left[where] = in_flight()
                 model.reset_iter_state()
+                left[where + ", after reset"] = in_flight()
             model.zero_grad(set_to_none=True)
         for _ in range(STEPS):
             model(x).square().mean().backward()
@@ -218,7 +232,7 @@ def recover_after_aborted_steps(kind: str) -> dict:
             opt.zero_grad()
         return full_parameters(model)
 
-    return {"clean": train(False), "after_aborts": train(True)}
+    return {"clean": train(False), "after_aborts": train(True), "left": left}
 
 
 def dp_mesh_dims_error() -> tuple[str, str, bool]:
@@ -347,6 +361,10 @@ def test_hsdp_accumulation_without_all_reduce_matches_fsdp2(pool4, backend):
 def test_reset_iter_state_recovers_from_an_aborted_forward_and_backward(pool2, kind):
     for result in pool2.run(recover_after_aborted_steps, kind):
         _close(result["after_aborts"], result["clean"], rtol=0, atol=0)
+        left = result["left"]
+        if kind == "ours":
+            assert left["backward"] > 0, left  # the aborted backward left reductions and re-gathers
+        assert left["forward, after reset"] == left["backward, after reset"] == 0, left
 
 
 def test_dp_mesh_dims_raises_naming_the_unit_and_changes_nothing(pool2):
