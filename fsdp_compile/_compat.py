@@ -234,6 +234,31 @@ def saved_tensors_hooks_active() -> bool:
 from torch._dynamo.utils import _disable_side_effect_safety_checks_for_current_subtracer as allow_side_effects  # noqa: E402
 
 
+@torch._dynamo.assume_constant_result
+def first_unit_of_this_trace() -> bool:
+    """torch/_dynamo/symbolic_convert.py: ``True`` at the first call while Dynamo traces a
+    frame (each restart of its analysis is a trace of its own, with its own
+    ``OutputGraph``, on which the answer is noted), ``False`` after.
+    ``assume_constant_result``: Dynamo runs it while tracing and bakes the result into
+    the graph with no guard. Call it only while ``torch.compiler.is_compiling()``."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    output = InstructionTranslator.current_tx().output
+    if getattr(output, "_fsdp_compile_saw_a_unit", False):
+        return False
+    output._fsdp_compile_saw_a_unit = True
+    return True
+
+
+def is_compiled_module(module) -> bool:
+    """torch/_dynamo/eval_frame.py: whether ``module`` is what ``torch.compile(module)``
+    returns (an ``OptimizedModule``, whose instance attribute ``forward`` runs the
+    compiled ``_orig_mod``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
 def never_a_frame_of_its_own(fn: Callable) -> Callable:
     """torch/_dynamo/eval_frame.py ``skip_code``: Dynamo never compiles ``fn`` as a frame of
     its own (when eager code calls it, e.g. after a graph break made Dynamo fall back),
@@ -526,6 +551,8 @@ __all__ = [
     "dynamo_graph_break_counts",
     "saved_tensors_hooks_active",
     "allow_side_effects",
+    "first_unit_of_this_trace",
+    "is_compiled_module",
     "never_a_frame_of_its_own",
     "inside_compiled_call",
     "inductor_comm_overlap_flags",

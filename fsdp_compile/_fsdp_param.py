@@ -40,7 +40,7 @@ from fsdp_compile.runtime.unit_collectives import (
     gather_bucket_with_grad_sync,
     issue_all_gather_bucket,
 )
-from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
+from fsdp_compile.runtime.vocabulary import FRAME_UNIT, CollectiveTag, Role
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_state import FSDPUnit
@@ -156,6 +156,14 @@ class FSDPParam:
             param_dtype=self.param_dtype,
             reduce_dtype=unit.mp_policy.reduce_dtype,
         )
+        # The same collectives, named relative to the unit: what a compiled frame of this
+        # unit's own traces (see ``FSDPUnit.traced_as_frame``); prefetch hints name
+        # other units, which are not in that graph.
+        relative = self.local_fqn if len(unit.modules) == 1 else f"{self.module_index}.{self.local_fqn}"
+        self.frame_spec = dataclasses.replace(
+            self.spec, tag=dataclasses.replace(self.spec.tag, param_fqn=relative, unit_fqn=FRAME_UNIT,
+                                               forward_prefetched_by=None, backward_prefetched_by=None)
+        )
 
     def gather(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The full tensor, with autograd (its gradient is reduced back into the shard);
@@ -184,7 +192,8 @@ class FSDPParam:
                 partial_pending = self._partial_accumulator.grad
             else:
                 partial_accumulator = self._partial_accumulator
-        full = gather_with_grad_sync(local, self.spec, pending, accumulator, self.kept, partial_pending, partial_accumulator)
+        spec = self.frame_spec if self.unit.traced_as_frame else self.spec
+        full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator)
         return self._note_gathered(full)
 
     def bucket_key(self) -> tuple | None:

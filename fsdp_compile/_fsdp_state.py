@@ -117,6 +117,11 @@ class FSDPUnit:
     eager_forward_order: list[FSDPUnit] = field(default_factory=list, repr=False)
     # Set once a graph break made this unit gather in eager code (warned once per unit).
     warned_eager_gather: bool = field(default=False, repr=False)
+    # While Dynamo traces this unit's forward as the first unit of a compiled frame that
+    # no other unit of ours encloses (a block compiled on its own): its parameters'
+    # collectives are then traced under ``FSDPParam.frame_spec``, named relative to the
+    # unit, so identical blocks trace identical graphs (one compile for all of them).
+    traced_as_frame: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.module_fqns:
@@ -207,6 +212,9 @@ def warn_gathered_in_broken_graph(fsdp_param: FSDPParam) -> None:
         f"fsdp_compile: graph break inside the sharded forward of unit {unit.fqn or '(root)'!r}: parameter "
         f"{fsdp_param.fqn!r} is gathered in eager code between compiled graphs, so its collectives "
         "cannot be bucketed or overlapped. TORCH_LOGS=graph_breaks shows where Dynamo broke; "
-        "fsdp_compile.debug.dump(DIR) writes each graph and its collectives.",
+        "fsdp_compile.debug.dump(DIR) writes each graph and its collectives. (A unit compiled on its own, "
+        "block.compile() or torch.compile(block), whose compiled frame starts below its forward is "
+        "gathered around that frame too, as FSDP2 gathers it: compile the whole model to bucket and "
+        "overlap its collectives.)",
         stacklevel=4,
     )

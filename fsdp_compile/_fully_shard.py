@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_compile import _eager
 from fsdp_compile._compat import (
     allow_side_effects,
+    first_unit_of_this_trace,
+    is_compiled_module,
     flat_group_of,
     in_backward_recompute,
     inside_compiled_call,
@@ -70,11 +72,27 @@ class FSDPModule:
         no graph of its own. Parameters are gathered where they are first read. The
         context's Python state changes are allowed inside activation-checkpointing
         regions (they are not replayed by a compiled backward, which never runs Python)."""
-        policy = self._fsdp_unit.mp_policy
+        unit = self._fsdp_unit
+        policy = unit.mp_policy
         args, kwargs = cast_inputs(policy, args, kwargs)
+        # A non-root unit that a compiled frame runs without an enclosing unit of ours (a
+        # block compiled on its own) is named relative to itself in the graph: every
+        # such block then traces the same graph, which Dynamo compiles once and reuses,
+        # as for the unsharded blocks. Read only while tracing, and only values equal
+        # across identical blocks (flags; the trace's own first-unit check is a constant).
+        as_frame = (
+            torch.compiler.is_compiling()
+            and not unit.is_root
+            and not any(forward_context.frame_compiled)
+            and first_unit_of_this_trace()
+        )
+        if as_frame:
+            allow_side_effects(setattr, unit, "traced_as_frame", True)
         allow_side_effects(forward_context.enter)
         output = super().forward(*args, **kwargs)
         allow_side_effects(forward_context.exit)
+        if as_frame:
+            allow_side_effects(setattr, unit, "traced_as_frame", False)
         return cast_output(policy, output)
 
     @never_a_frame_of_its_own
@@ -516,6 +534,11 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
         _install_managed_param(owner, name, fsdp_param)
 
     for m in modules:
+        if is_compiled_module(m) and "forward" in m.__dict__:
+            # torch.compile(block) before fully_shard (torchtitan's order): the compiled call
+            # is an instance attribute that would hide our forward; ours calls it instead.
+            # (Into __dict__: an OptimizedModule forwards attribute writes to _orig_mod.)
+            m.__dict__["_fsdp_compiled_forward"] = m.__dict__.pop("forward")
         _swap_class(m, is_unit=True)
         m._fsdp_unit = unit
         for prefix, sub in m.named_modules():
@@ -754,11 +777,22 @@ def _install_managed_param(owner: nn.Module, name: str, fsdp_param: FSDPParam) -
     _swap_class(owner, is_unit=isinstance(owner, FSDPModule))
 
 
+class _CompiledModuleForward:
+    """The ``forward`` under ``FSDPModule``'s in a sharded ``torch.compile(module)`` result
+    (an ``OptimizedModule``): its compiled call, taken from the instance where
+    ``torch.compile`` put it. Our forward gathers the unit around it, eagerly, as
+    FSDP2's hooks do; the compiled block then reads gathered tensors, so every block
+    runs the same graph."""
+
+    def forward(self, *args, **kwargs):
+        return self.__dict__["_fsdp_compiled_forward"](*args, **kwargs)
+
+
 def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
     cls = type(module)
     orig = getattr(cls, "_fsdp_orig_class", cls)
     names = tuple(sorted(module.__dict__.get("_fsdp_params", {})))
-    key = (orig, is_unit, names)
+    key = (orig, is_unit, names, "_fsdp_compiled_forward" in module.__dict__)
     new_cls = _CLASS_CACHE.get(key)
     if new_cls is None:
         attrs = {name: _managed_param_property(name) for name in names}
@@ -766,7 +800,9 @@ def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
         attrs["__module__"] = orig.__module__
         if is_unit:
             attrs["_forward_compiled"] = _own_code_copy(FSDPModule._forward_compiled, orig.__name__)
-            new_cls = type(f"FSDP{orig.__name__}", (FSDPModule, orig), attrs)
+            runs_compiled = "_fsdp_compiled_forward" in module.__dict__
+            bases = (FSDPModule, _CompiledModuleForward, orig) if runs_compiled else (FSDPModule, orig)
+            new_cls = type(f"FSDP{orig.__name__}", bases, attrs)
         else:
             # Non-unit owners keep their name so that printing the model looks as before.
             new_cls = type(orig.__name__, (orig,), attrs)

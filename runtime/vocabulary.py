@@ -56,6 +56,13 @@ class Role(str, enum.Enum):
 
 _GRAD_ROLES = (Role.REDUCE_GRAD, Role.REPLICATE_GRAD)
 
+#: The ``unit_fqn`` of a unit traced as a frame's own sharded unit: a unit compiled on
+#: its own (``block.compile()``, ``torch.compile(block)``: one compiled frame per
+#: transformer block). Its tags name its parameters relative to the unit, so every
+#: block of one class traces the same graph, which Dynamo compiles once and reuses
+#: (with the unit's full name in them, each block would recompile).
+FRAME_UNIT = "(compiled unit)"
+
 
 @dataclass(frozen=True)
 class CollectiveTag:
@@ -63,8 +70,10 @@ class CollectiveTag:
 
     Attributes:
         role: see :class:`Role`.
-        param_fqn: the parameter (a bucket: its members, comma-separated).
-        unit_fqn: the sharding unit ("" for the root).
+        param_fqn: the parameter (a bucket: its members, comma-separated); relative
+            to its unit under :data:`FRAME_UNIT`.
+        unit_fqn: the sharding unit ("" for the root, :data:`FRAME_UNIT` for the unit
+            a compiled frame runs on its own).
         reshard_after_forward: the unit's resolved setting.
         reshard_to: with ``reshard_after_forward`` an int: the smaller group the
             forward keeps a shard over, as ``(group name, group size, this rank's

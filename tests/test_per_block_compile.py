@@ -1,0 +1,196 @@
+"""Blocks compiled one by one instead of the whole model: ``torch.compile(block)`` before
+``fully_shard`` (torchtitan's order), ``torch.compile(block)`` after it, and
+``block.compile()`` after it.
+
+As with the unsharded model (and FSDP2), every block of a class runs one graph, compiled
+once: with the unit's name in its tags, each block compiled again, and past Dynamo's
+recompile limit (8) the remaining blocks silently ran eagerly. Blocks compiled after
+``fully_shard`` trace their collectives, named relative to the block
+(``FRAME_UNIT``); blocks compiled before it are gathered around their compiled call, as
+FSDP2's hooks do, and their graph reads gathered tensors.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdp_compile import fully_shard
+from fsdp_compile.runtime import Role, tag_of
+from fsdp_compile._compat import c10d_functional
+from fsdp_compile.runtime.vocabulary import FRAME_UNIT
+from fsdp_compile.testing import GraphCapture, collective_nodes
+from fsdp_compile.testing.models import DecoderLayer, Llama, LlamaConfig, MLPStack
+from tests.models import fully_shard_of
+
+PATTERNS = ["compile_then_shard", "shard_then_compile", "shard_then_module_compile"]
+STEPS = 3
+
+
+class CallingDecoderLayer(DecoderLayer):
+    """A block whose class overrides ``__call__``, as ``transformers``' decoder layers do
+    (``GradientCheckpointingLayer``): Dynamo's frame for the compiled block then starts
+    above our ``forward`` and traces the unit's collectives. For a plain block it starts
+    below it (at the block's own ``forward``), and the unit is gathered around it."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+
+def build_llama(n_layers: int, blocks: str) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=n_layers))
+    if blocks == "calling":
+        for layer in model.layers:
+            layer.__class__ = CallingDecoderLayer
+    return model
+
+
+def apply_per_block(model, pattern: str, shard_fn, backend, **block_kwargs):
+    """``shard_fn`` per block and on the root (``None``: unsharded), each block compiled
+    on its own with ``backend`` in the order ``pattern`` names. Returns ``model``."""
+    layers = model.layers
+    if pattern == "compile_then_shard":
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend=backend)
+    if shard_fn is not None:
+        for layer in layers:
+            shard_fn(layer, **block_kwargs)
+        shard_fn(model)
+    if pattern == "shard_then_compile":
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend=backend)
+    elif pattern == "shard_then_module_compile":
+        for layer in layers:
+            layer.compile(backend=backend)
+    return model
+
+
+def _step(model, step: int, shard_batch=lambda t: t) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = shard_batch(torch.randint(0, 64, (4, 17), generator=g))
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("blocks", ["plain", "calling"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_every_block_runs_one_graph_past_dynamos_recompile_limit(fake_pg, pattern, blocks):
+    """10 blocks (Dynamo recompiles a frame at most 8 times): one graph for all of them,
+    as unsharded, over two steps. Traced collectives are named relative to the block."""
+    from fsdp_compile._compat import reset_dynamo
+
+    def graphs(shard_fn):
+        reset_dynamo()
+        capture = GraphCapture("default")
+        model = apply_per_block(build_llama(10, blocks), pattern, shard_fn, capture)
+        for step in range(2):
+            _step(model, step)
+        return capture
+
+    unsharded, ours = graphs(None), graphs(fully_shard)
+    assert unsharded.frame_count == 1
+    assert ours.frame_count == unsharded.frame_count
+    (fw,), (bw,) = ours.forward_graphs, ours.backward_graphs
+    gathers = collective_nodes(fw, c10d_functional.all_gather_into_tensor)
+    reductions = collective_nodes(bw, c10d_functional.reduce_scatter_tensor)
+    # Where Dynamo's frame for a block starts decides where its unit is gathered: above
+    # our forward (``torch.compile(block)`` of a block whose class overrides
+    # ``__call__``), the collectives are traced; below it, the unit is gathered around
+    # the compiled call, as FSDP2 does, and the graph computes only.
+    if pattern == "compile_then_shard" or blocks == "plain":
+        assert gathers == [] and reductions == []
+    if pattern == "shard_then_compile" and blocks == "calling":
+        assert gathers != []
+    if gathers:
+        names = sorted(name for name, _ in build_llama(1, "plain").layers[0].named_parameters())
+        assert sorted(tag_of(n).param_fqn for n in gathers) == names  # relative to the block
+        assert {tag_of(n).unit_fqn for n in gathers} == {FRAME_UNIT}
+        assert {tag_of(n).role for n in reductions} == {Role.REDUCE_GRAD}
+        assert sorted(tag_of(n).param_fqn for n in reductions) == names
+
+
+@pytest.mark.parametrize("pattern", ["compile_then_shard", "shard_then_module_compile"])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_per_block_compile_reshards_after_forward(fake_pg, pattern, reshard):
+    """``reshard_after_forward`` holds for blocks compiled on their own: with ``True`` no
+    gathered weight outlives the forward and backward gathers again (the first block's
+    weight is not needed in backward); with ``False`` backward gathers nothing."""
+    from fsdp_compile._compat import reset_dynamo
+    from tests.test_structure import _CollectiveLog
+
+    reset_dynamo()
+    model = apply_per_block(MLPStack(dim=16, n_layers=4), pattern, fully_shard, "aot_eager", reshard_after_forward=reshard)
+    for _ in range(2):  # the second step runs what the first one compiled
+        forward_log, backward_log = _CollectiveLog(), _CollectiveLog()
+        with forward_log:
+            loss = model(torch.randn(2, 16)).sum()
+        gc.collect()
+        alive = [ref for ref in forward_log.results if ref() is not None]
+        with backward_log:
+            loss.backward()
+        if reshard:
+            assert alive == []
+        assert backward_log.gathers == (3 if reshard else 0)
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def train_per_block(variant: str, pattern: str, backend: str, blocks: str) -> dict:
+    """``STEPS`` AdamW steps of a 3-block Llama: ``"reference"`` unsharded on the global
+    batch in one process; ``"ours"`` / ``"fsdp2"`` sharded per block and at the root and
+    compiled per block as ``pattern`` says, each rank on its half of the batch."""
+    import torch.distributed as dist
+
+    from fsdp_compile._compat import reset_dynamo
+
+    reset_dynamo()
+    model = build_llama(3, blocks)
+    shard_batch = lambda t: t  # noqa: E731
+    if variant != "reference":
+        apply_per_block(model, pattern, fully_shard_of(variant), backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        shard_batch = lambda t: t.chunk(world)[rank]  # noqa: E731
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, params = [], []
+    for step in range(STEPS):
+        loss = _step(model, step, shard_batch)
+        if variant != "reference":
+            dist.all_reduce(loss := loss.detach().clone())
+            loss /= dist.get_world_size()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        params.append(
+            {
+                name.replace("._orig_mod", ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for name, p in model.named_parameters()
+            }
+        )
+    return {"losses": losses, "params": params}
+
+
+def _max_gap(a: dict, b: dict) -> float:
+    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
+    for pa, pb in zip(a["params"], b["params"]):
+        gaps += [(pa[name] - pb[name]).abs().max().item() for name in pb]
+    return max(gaps)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_per_block_compile_matches_reference_and_fsdp2(pool2, pattern):
+    """Blocks compiled on their own (traced collectives where the pattern allows) train
+    as the unsharded model does, and as FSDP2 with the same per-block compile:
+    ``aot_eager`` (the same arithmetic as eager) and Inductor."""
+    reference = pool2.run(train_per_block, "reference", pattern, "aot_eager", "calling")[0]
+    fsdp2 = pool2.run(train_per_block, "fsdp2", pattern, "aot_eager", "calling")[0]
+    ours = pool2.run(train_per_block, "ours", pattern, "aot_eager", "calling")[0]
+    ours_inductor = pool2.run(train_per_block, "ours", pattern, "inductor", "calling")[0]
+    assert _max_gap(fsdp2, reference) < 1e-5
+    assert _max_gap(ours, reference) < 1e-5
+    assert _max_gap(ours, fsdp2) < 1e-6
+    assert _max_gap(ours_inductor, reference) < 1e-4
