@@ -235,19 +235,18 @@ from torch._dynamo.utils import _disable_side_effect_safety_checks_for_current_s
 
 
 @torch._dynamo.assume_constant_result
-def first_unit_of_this_trace() -> bool:
-    """torch/_dynamo/symbolic_convert.py: ``True`` at the first call while Dynamo traces a
-    frame (each restart of its analysis is a trace of its own, with its own
-    ``OutputGraph``, on which the answer is noted), ``False`` after.
+def units_entered_in_this_trace() -> int:
+    """torch/_dynamo/symbolic_convert.py: how many times it was called before while Dynamo
+    traces the current frame (each restart of its analysis is a trace of its own, with
+    its own ``OutputGraph``, on which the count is kept): 0 at the first call.
     ``assume_constant_result``: Dynamo runs it while tracing and bakes the result into
     the graph with no guard. Call it only while ``torch.compiler.is_compiling()``."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     output = InstructionTranslator.current_tx().output
-    if getattr(output, "_fsdp_compile_saw_a_unit", False):
-        return False
-    output._fsdp_compile_saw_a_unit = True
-    return True
+    count = getattr(output, "_fsdp_compile_units_entered", 0)
+    output._fsdp_compile_units_entered = count + 1
+    return count
 
 
 def is_compiled_module(module) -> bool:
@@ -551,7 +550,7 @@ __all__ = [
     "dynamo_graph_break_counts",
     "saved_tensors_hooks_active",
     "allow_side_effects",
-    "first_unit_of_this_trace",
+    "units_entered_in_this_trace",
     "is_compiled_module",
     "never_a_frame_of_its_own",
     "inside_compiled_call",

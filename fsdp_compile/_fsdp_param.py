@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile._compat import fx_annotate
 from fsdp_compile._eager_reduce import defers_reduction, pending_reductions
-from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._fsdp_state import FRAME_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
@@ -157,7 +157,7 @@ class FSDPParam:
             reduce_dtype=unit.mp_policy.reduce_dtype,
         )
         # The same collectives, named relative to the unit: what a compiled frame of this
-        # unit's own traces (see ``FSDPUnit.traced_as_frame``); prefetch hints name
+        # unit's own traces (see ``FSDPUnit.traced_naming``); prefetch hints name
         # other units, which are not in that graph.
         relative = self.local_fqn if len(unit.modules) == 1 else f"{self.module_index}.{self.local_fqn}"
         self.frame_spec = dataclasses.replace(
@@ -192,8 +192,11 @@ class FSDPParam:
                 partial_pending = self._partial_accumulator.grad
             else:
                 partial_accumulator = self._partial_accumulator
-        spec = self.frame_spec if self.unit.traced_as_frame else self.spec
-        full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator)
+        naming, key = self.unit.traced_naming, None
+        spec = self.frame_spec if naming == FRAME_NAMING else self.spec
+        if isinstance(naming, int):
+            key = _spec_key_as_root(self, naming)
+        full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator, key=key)
         return self._note_gathered(full)
 
     def bucket_key(self) -> tuple | None:
@@ -309,6 +312,16 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn!r}, shape={tuple(self.sharded_param.shape)}, unit={self.unit.fqn!r})"
+
+
+@torch.compiler.assume_constant_result
+def _spec_key_as_root(fsdp_param: FSDPParam, order: int) -> str:
+    """The key of ``fsdp_param``'s spec with its unit named ``(root <order>)``: the
+    ``order``-th root unit entered in one traced graph (``FSDPUnit.traced_naming``).
+    Built while Dynamo traces (which bakes the key in, guarding on the parameter's
+    identity: such a graph holds those units only)."""
+    spec = fsdp_param.spec
+    return dataclasses.replace(spec, tag=dataclasses.replace(spec.tag, unit_fqn=f"(root {order})")).key
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -68,6 +68,10 @@ class ShardDevices:
         return t.to(self.compute_device, non_blocking=self.pin_memory)
 
 
+#: ``FSDPUnit.traced_naming`` of a unit named relative to itself.
+FRAME_NAMING = "frame"
+
+
 @dataclass(eq=False)
 class FSDPUnit:
     """The parameters one ``fully_shard(module)`` call shards, and its options.
@@ -117,11 +121,14 @@ class FSDPUnit:
     eager_forward_order: list[FSDPUnit] = field(default_factory=list, repr=False)
     # Set once a graph break made this unit gather in eager code (warned once per unit).
     warned_eager_gather: bool = field(default=False, repr=False)
-    # While Dynamo traces this unit's forward as the first unit of a compiled frame that
-    # no other unit of ours encloses (a block compiled on its own): its parameters'
-    # collectives are then traced under ``FSDPParam.frame_spec``, named relative to the
-    # unit, so identical blocks trace identical graphs (one compile for all of them).
-    traced_as_frame: bool = field(default=False, repr=False)
+    # How the collectives of this unit's parameters are named while Dynamo traces its
+    # forward as a unit no unit of ours encloses in the graph (see
+    # ``FSDPModule._forward_compiled``): None, by their full names (``FSDPParam.spec``);
+    # ``FRAME_NAMING``, relative to the unit (``FSDPParam.frame_spec``: a block compiled
+    # on its own, so identical blocks trace identical graphs, compiled once); an int k,
+    # as the k-th root unit of the graph (root units whose parent was not sharded all
+    # have the name "", and would otherwise be bucketed as one unit).
+    traced_naming: str | int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.module_fqns:

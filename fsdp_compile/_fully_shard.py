@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_compile import _eager
 from fsdp_compile._compat import (
     allow_side_effects,
-    first_unit_of_this_trace,
+    units_entered_in_this_trace,
     is_compiled_module,
     flat_group_of,
     in_backward_recompute,
@@ -34,7 +34,7 @@ from fsdp_compile._compat import (
     never_a_frame_of_its_own,
 )
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
-from fsdp_compile._fsdp_state import FSDPUnit, ShardDevices, compute_device, forward_context
+from fsdp_compile._fsdp_state import FRAME_NAMING, FSDPUnit, ShardDevices, compute_device, forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile._tensor_parallel import check_tensor_parallel_param
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
@@ -75,24 +75,26 @@ class FSDPModule:
         unit = self._fsdp_unit
         policy = unit.mp_policy
         args, kwargs = cast_inputs(policy, args, kwargs)
-        # A non-root unit that a compiled frame runs without an enclosing unit of ours (a
-        # block compiled on its own) is named relative to itself in the graph: every
-        # such block then traces the same graph, which Dynamo compiles once and reuses,
-        # as for the unsharded blocks. Read only while tracing, and only values equal
-        # across identical blocks (flags; the trace's own first-unit check is a constant).
-        as_frame = (
-            torch.compiler.is_compiling()
-            and not unit.is_root
-            and not any(forward_context.frame_compiled)
-            and first_unit_of_this_trace()
-        )
-        if as_frame:
-            allow_side_effects(setattr, unit, "traced_as_frame", True)
+        # Units that no unit of ours encloses in the graph are named by their place in it:
+        # the first, unless it is the root, relative to itself (a block compiled on its
+        # own: every such block then traces the same graph, which Dynamo compiles once,
+        # as for the unsharded blocks); later root units (whose parent was not sharded,
+        # all named "") by their order. Read only while tracing, and only values equal
+        # across identical blocks (flags; the trace's own count is a constant).
+        naming = None
+        if torch.compiler.is_compiling() and not any(forward_context.frame_compiled):
+            order = units_entered_in_this_trace()
+            if order == 0 and not unit.is_root:
+                naming = FRAME_NAMING
+            elif order > 0 and unit.is_root:
+                naming = order
+        if naming is not None:
+            allow_side_effects(setattr, unit, "traced_naming", naming)
         allow_side_effects(forward_context.enter)
         output = super().forward(*args, **kwargs)
         allow_side_effects(forward_context.exit)
-        if as_frame:
-            allow_side_effects(setattr, unit, "traced_as_frame", False)
+        if naming is not None:
+            allow_side_effects(setattr, unit, "traced_naming", None)
         return cast_output(policy, output)
 
     @never_a_frame_of_its_own

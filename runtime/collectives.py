@@ -232,6 +232,7 @@ def gather_with_grad_sync(
     kept: torch.Tensor | None = None,
     partial_pending: torch.Tensor | None = None,
     partial_accumulator: torch.Tensor | None = None,
+    key: str | None = None,
 ) -> torch.Tensor:
     """The full tensor from this rank's shard ``local`` (unpadded,
     ``spec.layout.local_shape``; the whole tensor when ``spec.layout`` is ``None``);
@@ -249,10 +250,13 @@ def gather_with_grad_sync(
     gradient is not all-reduced but accumulated into ``partial_accumulator.grad``;
     ``partial_pending`` (that accumulated shard gradient) is added before the next
     all-reduce.
+
+    ``key``: the :attr:`CollectiveSpec.key` of a spec equal to ``spec`` but for its tag's
+    names, to trace the gather under (a sharded parameter not kept gathered).
     """
     if kept is None and spec.layout is not None:
         # the common case: see gather_op
-        return gather_op(local, pending, accumulator, spec.key, partial_pending, partial_accumulator)
+        return gather_op(local, pending, accumulator, key or spec.key, partial_pending, partial_accumulator)
     with fx_annotate(spec.meta):
         return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept, partial_pending, partial_accumulator)
 
