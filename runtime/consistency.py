@@ -9,6 +9,7 @@ from Inductor's cache, and only the first time a fingerprint is seen.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import torch
@@ -23,7 +24,7 @@ _verified: set[str] = set()
 def _describe(entry) -> str:
     if entry is None:
         return "nothing (its sequence is shorter)"
-    op, group, reduce_op, shapes = entry
+    op, group, reduce_op, shapes = entry[:4]
     return f"{op}({shapes}{', ' + reduce_op if reduce_op else ''}) on group {group!r}"
 
 
@@ -36,26 +37,47 @@ def first_difference(mine: list, theirs: list) -> int | None:
     return None
 
 
+def shared_sequence(fingerprint: list, other_rank: int) -> list:
+    """The entries of ``fingerprint`` on groups that ``other_rank`` belongs to too (an
+    entry whose group's ranks are unknown counts as shared), without the ranks: what
+    this rank and ``other_rank`` must issue alike, in the same order."""
+    return [entry[:4] for entry in fingerprint if len(entry) < 5 or entry[4] is None or other_rank in entry[4]]
+
+
+def first_disagreement(everyone: list) -> tuple | None:
+    """``(rank a, rank b, index, a's entry, b's entry)`` for the first pair of ranks whose
+    collectives on the groups they share differ (``everyone``: each rank's fingerprint),
+    else ``None``."""
+    if all(theirs == everyone[0] for theirs in everyone):
+        return None  # the common case: every rank compiled the same graph
+    for a, b in itertools.combinations(range(len(everyone)), 2):
+        seen_by_a, seen_by_b = shared_sequence(everyone[a], b), shared_sequence(everyone[b], a)
+        index = first_difference(seen_by_a, seen_by_b)
+        if index is not None:
+            x = seen_by_a[index] if index < len(seen_by_a) else None
+            y = seen_by_b[index] if index < len(seen_by_b) else None
+            return a, b, index, x, y
+    return None
+
+
 def verify_across_ranks(graph_name: str, fingerprint: list) -> None:
-    """Raise on every rank if any two ranks' fingerprints differ."""
+    """Raise on every rank if two ranks differ in the collectives of a group they share."""
     import torch.distributed as dist
 
     everyone = all_gather_json(fingerprint, side_group(config.consistency_timeout_s))
-    rank = dist.get_rank()
-    for other, theirs in enumerate(everyone):
-        index = first_difference(fingerprint, theirs)
-        if index is None:
-            continue
-        a = fingerprint[index] if index < len(fingerprint) else None
-        b = theirs[index] if index < len(theirs) else None
-        raise RuntimeError(
-            f"fsdp_compile: ranks compiled different collective sequences for the {graph_name}; "
-            f"running it would hang. First difference at collective #{index}: rank {rank} issues "
-            f"{_describe(a)}, rank {other} issues {_describe(b)} "
-            f"({len(fingerprint)} vs {len(theirs)} collectives). Look for rank-dependent Python in "
-            "the model's forward (branches on the rank or on data), or set "
-            "fsdp_compile.config.check_collective_consistency = False to skip this check."
-        )
+    disagreement = first_disagreement(everyone)
+    if disagreement is None:
+        return
+    a, b, index, x, y = disagreement
+    count_a, count_b = len(shared_sequence(everyone[a], b)), len(shared_sequence(everyone[b], a))
+    raise RuntimeError(
+        f"fsdp_compile: ranks compiled different collective sequences for the {graph_name} "
+        f"(seen from rank {dist.get_rank()}); running it would hang. First difference at collective "
+        f"#{index} of those on groups ranks {a} and {b} share: rank {a} issues {_describe(x)}, "
+        f"rank {b} issues {_describe(y)} ({count_a} vs {count_b} collectives). Look for "
+        "rank-dependent Python in the model's forward (branches on the rank or on data), or set "
+        "fsdp_compile.config.check_collective_consistency = False to skip this check."
+    )
 
 
 @torch.library.custom_op("fsdp_compile::check_collective_sequence", mutates_args=())

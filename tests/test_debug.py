@@ -195,7 +195,40 @@ def test_fingerprint_is_rank_independent_despite_padding():
         prints.append(collective_fingerprint(gm.graph))
     assert prints[0] == prints[1]
     # Unit 0: weight [5, 6] and bias [5] over 2 ranks: padded shards of 3 x 6 + 3 elements.
-    assert prints[0][0] == ["all_gather_into_tensor", "0", "", "float32[21]"]
+    # (No process group is named "0" here: the group's ranks are unknown.)
+    assert prints[0][0] == ["all_gather_into_tensor", "0", "", "float32[21]", None]
+
+
+def test_ranks_compare_only_the_collectives_of_groups_they_share():
+    """On a 2x2 (dp, tp) mesh the two dp groups are [0, 2] and [1, 3]: with uneven
+    tensor-parallel shards each group gathers its own size, which is no disagreement;
+    a size, order or count that differs within one group is."""
+    from fsdp_compile.runtime.consistency import first_disagreement
+
+    def gather(size, ranks, group="mesh dim 'dp' of size 2"):
+        return ["all_gather_into_tensor", group, "", f"float32[{size}]", ranks]
+
+    def tp_reduce(ranks):
+        return ["all_reduce", "mesh dim 'tp' of size 2", "sum", "float32[8]", ranks]
+
+    dp_even, dp_odd, tp_low, tp_high = [0, 2], [1, 3], [0, 1], [2, 3]
+    uneven = [
+        [gather(51, dp_even), tp_reduce(tp_low)],
+        [gather(50, dp_odd), tp_reduce(tp_low)],
+        [gather(51, dp_even), tp_reduce(tp_high)],
+        [gather(50, dp_odd), tp_reduce(tp_high)],
+    ]
+    assert first_disagreement(uneven) is None
+    within_a_group = [list(seq) for seq in uneven]
+    within_a_group[2] = [gather(50, dp_even), tp_reduce(tp_high)]
+    assert first_disagreement(within_a_group) == (0, 2, 0, gather(51, dp_even)[:4], gather(50, dp_even)[:4])
+    reordered = [list(seq) for seq in uneven]
+    reordered[1] = [tp_reduce(tp_low), gather(50, dp_odd)]  # ranks 0 and 1 share the tp group only
+    assert first_disagreement(reordered) is None
+    reordered[0] = [tp_reduce(tp_low), tp_reduce(tp_low)]
+    assert first_disagreement(reordered)[:3] == (0, 1, 1)  # one more all-reduce on their tp group
+    assert first_disagreement([[gather(4, None)], [gather(4, None)]]) is None  # unknown groups: compared
+    assert first_disagreement([[gather(4, None)], [gather(6, None)]])[:3] == (0, 1, 0)
 
 
 def test_dump_writes_every_stage_per_rank(pool2, tmp_path):
