@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compile._compat import fx_annotate
 from fsdp_compile._eager_reduce import defers_reduction, pending_reductions
-from fsdp_compile._fsdp_state import FRAME_NAMING, forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
@@ -160,10 +160,17 @@ class FSDPParam:
         # unit's own traces (see ``FSDPUnit.traced_naming``); prefetch hints name
         # other units, which are not in that graph.
         relative = self.local_fqn if len(unit.modules) == 1 else f"{self.module_index}.{self.local_fqn}"
-        self.frame_spec = dataclasses.replace(
-            self.spec, tag=dataclasses.replace(self.spec.tag, param_fqn=relative, unit_fqn=FRAME_UNIT,
-                                               forward_prefetched_by=None, backward_prefetched_by=None)
+        self.frame_spec = self._renamed_spec(relative, FRAME_UNIT)
+        # Nested directly in such a unit: named relative to that unit.
+        nested = unit.name_in_parent
+        self.nested_frame_spec = None if nested is None else self._renamed_spec(f"{nested}.{relative}", f"{FRAME_UNIT}.{nested}")
+
+    def _renamed_spec(self, param_fqn: str, unit_fqn: str) -> CollectiveSpec:
+        """:attr:`spec` with the tag's names replaced (and no prefetch hints)."""
+        tag = dataclasses.replace(
+            self.spec.tag, param_fqn=param_fqn, unit_fqn=unit_fqn, forward_prefetched_by=None, backward_prefetched_by=None
         )
+        return dataclasses.replace(self.spec, tag=tag)
 
     def gather(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The full tensor, with autograd (its gradient is reduced back into the shard);
@@ -193,7 +200,7 @@ class FSDPParam:
             else:
                 partial_accumulator = self._partial_accumulator
         naming, key = self.unit.traced_naming, None
-        spec = self.frame_spec if naming == FRAME_NAMING else self.spec
+        spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
         if isinstance(naming, int):
             key = _spec_key_as_root(self, naming)
         full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator, key=key)

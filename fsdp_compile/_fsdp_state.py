@@ -70,6 +70,10 @@ class ShardDevices:
 
 #: ``FSDPUnit.traced_naming`` of a unit named relative to itself.
 FRAME_NAMING = "frame"
+#: ``FSDPUnit.traced_naming`` of a unit nested directly in a unit named relative to itself.
+NESTED_NAMING = "nested"
+#: ``_ForwardContext.frame_namings`` entry of a sharded forward that ran eagerly.
+EAGER_FRAME = "eager"
 
 
 @dataclass(eq=False)
@@ -121,13 +125,17 @@ class FSDPUnit:
     eager_forward_order: list[FSDPUnit] = field(default_factory=list, repr=False)
     # Set once a graph break made this unit gather in eager code (warned once per unit).
     warned_eager_gather: bool = field(default=False, repr=False)
+    # This unit's path from the unit that first enclosed it (the nearest, as units are
+    # sharded bottom-up); None while it is a root.
+    name_in_parent: str | None = field(default=None, repr=False)
     # How the collectives of this unit's parameters are named while Dynamo traces its
     # forward as a unit no unit of ours encloses in the graph (see
     # ``FSDPModule._forward_compiled``): None, by their full names (``FSDPParam.spec``);
     # ``FRAME_NAMING``, relative to the unit (``FSDPParam.frame_spec``: a block compiled
     # on its own, so identical blocks trace identical graphs, compiled once); an int k,
     # as the k-th root unit of the graph (root units whose parent was not sharded all
-    # have the name "", and would otherwise be bucketed as one unit).
+    # have the name "", and would otherwise be bucketed as one unit); ``NESTED_NAMING``,
+    # relative to the enclosing ``FRAME_NAMING`` unit (``FSDPParam.nested_frame_spec``).
     traced_naming: str | int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -175,20 +183,24 @@ class _ForwardContext:
     def __init__(self) -> None:
         self.frames: list[list[FSDPParam]] = []  # per running sharded forward: what it gathered
         self.frame_compiled: list[bool] = []  # per running sharded forward: entered inside a compiled call
+        # Per running sharded forward: its unit's traced_naming, or EAGER_FRAME (not traced).
+        self.frame_namings: list[str | int | None] = []
 
     @property
     def depth(self) -> int:
         return len(self.frames)
 
-    def enter(self, compiled: bool | None = None) -> None:
+    def enter(self, compiled: bool | None = None, naming: str | int | None = EAGER_FRAME) -> None:
         """A sharded forward starts; ``compiled``: inside a compiled call (default:
         whether Dynamo is tracing it)."""
         self.frames.append([])
         self.frame_compiled.append(torch.compiler.is_compiling() if compiled is None else compiled)
+        self.frame_namings.append(naming)
 
     def exit(self) -> None:
         """The innermost sharded forward returns: drop what it gathered."""
         self.frame_compiled.pop()
+        self.frame_namings.pop()
         for fsdp_param in self.frames.pop():
             fsdp_param.drop_gathered()
 

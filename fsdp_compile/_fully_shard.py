@@ -34,7 +34,7 @@ from fsdp_compile._compat import (
     never_a_frame_of_its_own,
 )
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
-from fsdp_compile._fsdp_state import FRAME_NAMING, FSDPUnit, ShardDevices, compute_device, forward_context
+from fsdp_compile._fsdp_state import EAGER_FRAME, FRAME_NAMING, NESTED_NAMING, FSDPUnit, ShardDevices, compute_device, forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile._tensor_parallel import check_tensor_parallel_param
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
@@ -81,19 +81,25 @@ class FSDPModule:
         # as for the unsharded blocks); later root units (whose parent was not sharded,
         # all named "") by their order. Read only while tracing, and only values equal
         # across identical blocks (flags; the trace's own count is a constant).
-        naming = None
-        if torch.compiler.is_compiling() and not any(forward_context.frame_compiled):
-            order = units_entered_in_this_trace()
-            if order == 0 and not unit.is_root:
-                naming = FRAME_NAMING
-            elif order > 0 and unit.is_root:
-                naming = order
-        if naming is not None:
+        # A unit directly inside such a block is named relative to the block.
+        naming = EAGER_FRAME
+        if torch.compiler.is_compiling():
+            naming = None
+            if all(n == EAGER_FRAME for n in forward_context.frame_namings):  # none encloses it in the graph
+                order = units_entered_in_this_trace()
+                if order == 0 and not unit.is_root:
+                    naming = FRAME_NAMING
+                elif order > 0 and unit.is_root:
+                    naming = order
+            elif forward_context.frame_namings[-1] == FRAME_NAMING and unit.name_in_parent is not None:
+                naming = NESTED_NAMING
+        renamed = naming not in (None, EAGER_FRAME)
+        if renamed:
             allow_side_effects(setattr, unit, "traced_naming", naming)
-        allow_side_effects(forward_context.enter)
+        allow_side_effects(forward_context.enter, None, naming)
         output = super().forward(*args, **kwargs)
         allow_side_effects(forward_context.exit)
-        if naming is not None:
+        if renamed:
             allow_side_effects(setattr, unit, "traced_naming", None)
         return cast_output(policy, output)
 
@@ -546,6 +552,8 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
         for prefix, sub in m.named_modules():
             if isinstance(sub, FSDPModule) and sub is not m:
                 # Nested units are no longer roots, and are named from this module.
+                if sub._fsdp_unit.name_in_parent is None and sub is sub._fsdp_unit.modules[0]:
+                    sub._fsdp_unit.name_in_parent = prefix  # the first (nearest) unit enclosing it
                 sub._fsdp_unit.is_root = False
                 sub._fsdp_unit.set_module_fqn(sub, prefix)
                 sub._fsdp_unit.refresh_specs()

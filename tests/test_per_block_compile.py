@@ -49,17 +49,20 @@ def build_llama(n_layers: int, blocks: str) -> Llama:
     return model
 
 
-def apply_per_block(model, pattern: str, shard_fn, backend, **block_kwargs):
+def apply_per_block(model, pattern: str, shard_fn, backend, *, nested: bool = False, **block_kwargs):
     """``shard_fn`` per block and on the root (``None``: unsharded), each block compiled
     on its own with ``backend`` in the order ``pattern`` names; returns what to call.
     ``"blocks_only_whole_model"``: the blocks sharded, not the root, and the whole model
-    compiled (every block is then a root unit of its own, named "")."""
+    compiled (every block is then a root unit of its own, named ""). ``nested``: each
+    block's feed-forward is a unit of its own too."""
     layers = model.layers
     if pattern == "compile_then_shard":
         for i, layer in enumerate(layers):
             layers[i] = torch.compile(layer, backend=backend)
     if shard_fn is not None:
         for layer in layers:
+            if nested:  # a unit inside each block, as torchtitan shards MoE experts
+                shard_fn(layer.feed_forward, **block_kwargs)
             shard_fn(layer, **block_kwargs)
         if pattern != "blocks_only_whole_model":
             shard_fn(model)
@@ -83,7 +86,7 @@ def _step(model, step: int, shard_batch=lambda t: t) -> torch.Tensor:
     return loss
 
 
-@pytest.mark.parametrize("blocks", ["plain", "calling"])
+@pytest.mark.parametrize("blocks", ["plain", "calling", "calling+nested"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_every_block_runs_one_graph_past_dynamos_recompile_limit(fake_pg, pattern, blocks):
     """10 blocks (Dynamo recompiles a frame at most 8 times): one graph for all of them,
@@ -93,7 +96,8 @@ def test_every_block_runs_one_graph_past_dynamos_recompile_limit(fake_pg, patter
     def graphs(shard_fn):
         reset_dynamo()
         capture = GraphCapture("default")
-        model = apply_per_block(build_llama(10, blocks), pattern, shard_fn, capture)
+        model = build_llama(10, blocks.partition("+")[0])
+        model = apply_per_block(model, pattern, shard_fn, capture, nested=blocks.endswith("+nested"))
         for step in range(2):
             _step(model, step)
         return capture
@@ -106,18 +110,21 @@ def test_every_block_runs_one_graph_past_dynamos_recompile_limit(fake_pg, patter
     reductions = collective_nodes(bw, c10d_functional.reduce_scatter_tensor)
     # Where Dynamo's frame for a block starts decides where its unit is gathered: above
     # our forward (``torch.compile(block)`` of a block whose class overrides
-    # ``__call__``), the collectives are traced; below it, the unit is gathered around
-    # the compiled call, as FSDP2 does, and the graph computes only.
-    if pattern == "compile_then_shard" or blocks == "plain":
-        assert gathers == [] and reductions == []
-    if pattern == "shard_then_compile" and blocks == "calling":
-        assert gathers != []
-    if gathers:
-        names = sorted(name for name, _ in build_llama(1, "plain").layers[0].named_parameters())
-        assert sorted(tag_of(n).param_fqn for n in gathers) == names  # relative to the block
-        assert {tag_of(n).unit_fqn for n in gathers} == {FRAME_UNIT}
-        assert {tag_of(n).role for n in reductions} == {Role.REDUCE_GRAD}
-        assert sorted(tag_of(n).param_fqn for n in reductions) == names
+    # ``__call__``), the collectives are traced, named relative to the block; below it,
+    # the unit is gathered around the compiled call, as FSDP2 does, and a unit nested in
+    # the block is the graph's own unit, named relative to itself.
+    nested = blocks.endswith("+nested")
+    block_names = sorted(name for name, _ in build_llama(1, "plain").layers[0].named_parameters())
+    if pattern == "shard_then_compile" and blocks.startswith("calling"):
+        expected = {n: f"{FRAME_UNIT}.feed_forward" if nested and n.startswith("feed_forward.") else FRAME_UNIT for n in block_names}
+    elif nested:
+        expected = {n.removeprefix("feed_forward."): FRAME_UNIT for n in block_names if n.startswith("feed_forward.")}
+    else:
+        expected = {}
+    assert {tag_of(n).param_fqn: tag_of(n).unit_fqn for n in gathers} == expected
+    assert len(gathers) == len(expected)
+    assert sorted(tag_of(n).param_fqn for n in reductions) == sorted(expected)
+    assert {tag_of(n).role for n in reductions} <= {Role.REDUCE_GRAD}
 
 
 @pytest.mark.parametrize("pattern", ["compile_then_shard", "shard_then_module_compile"])
@@ -148,7 +155,8 @@ def test_per_block_compile_reshards_after_forward(fake_pg, pattern, reshard):
 def train_per_block(variant: str, pattern: str, backend: str, blocks: str) -> dict:
     """``STEPS`` SGD steps of a 3-block Llama: ``"reference"`` unsharded on the global
     batch in one process; ``"ours"`` / ``"fsdp2"`` sharded per block and at the root and
-    compiled per block as ``pattern`` says, each rank on its half of the batch."""
+    compiled per block as ``pattern`` says (``"<pattern>+nested"``: each block's
+    feed-forward a unit of its own too), each rank on its half of the batch."""
     import torch.distributed as dist
 
     from fsdp_compile._compat import reset_dynamo
@@ -158,7 +166,8 @@ def train_per_block(variant: str, pattern: str, backend: str, blocks: str) -> di
     shard_batch = lambda t: t  # noqa: E731
     run = model
     if variant != "reference":
-        run = apply_per_block(model, pattern, fully_shard_of(variant), backend)
+        base, _, nested = pattern.partition("+")
+        run = apply_per_block(model, base, fully_shard_of(variant), backend, nested=nested == "nested")
         rank, world = dist.get_rank(), dist.get_world_size()
         shard_batch = lambda t: t.chunk(world)[rank]  # noqa: E731
     # SGD: AdamW turns fp32 rounding in near-zero gradients into whole steps' differences.
@@ -188,7 +197,7 @@ def _max_gap(a: dict, b: dict) -> float:
     return max(gaps)
 
 
-@pytest.mark.parametrize("pattern", [*PATTERNS, "blocks_only_whole_model"])
+@pytest.mark.parametrize("pattern", [*PATTERNS, "shard_then_compile+nested", "blocks_only_whole_model"])
 def test_per_block_compile_matches_reference_and_fsdp2(pool2, pattern):
     """Blocks compiled on their own (traced collectives where the pattern allows) train
     as the unsharded model does, and as FSDP2 with the same per-block compile:
