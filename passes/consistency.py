@@ -41,8 +41,9 @@ def collective_fingerprint(graph: fx.Graph) -> list[list]:
     for node in graph.nodes:
         if not is_collective_issue(node):
             continue
-        group = group_of(node)
-        group = group_label(group) if group is not None else "?"
+        group_name = group_of(node)
+        group = group_label(group_name) if group_name is not None else "?"
+        ranks = group_ranks(group_name) if group_name is not None else None
         reduce_op = reduce_op_of(node) or ""
         first = node.args[0]
         values = first if isinstance(first, (list, tuple)) else [first]
@@ -51,7 +52,6 @@ def collective_fingerprint(graph: fx.Graph) -> list[list]:
             val = v.meta.get("val") if isinstance(v, fx.Node) else None
             if isinstance(val, torch.Tensor):
                 shapes.append(f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}")
-        ranks = group_ranks(group_of(node)) if group_of(node) is not None else None
         entries.append([node.target._opname, group, reduce_op, ",".join(shapes), ranks])
     return entries
 
