@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_compile import _eager
 from fsdp_compile._compat import (
     allow_side_effects,
-    units_entered_in_this_trace,
-    is_compiled_module,
     flat_group_of,
     in_backward_recompute,
     inside_compiled_call,
+    is_compiled_module,
     never_a_frame_of_its_own,
+    units_entered_in_this_trace,
 )
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import EAGER_FRAME, FRAME_NAMING, NESTED_NAMING, FSDPUnit, ShardDevices, compute_device, forward_context
@@ -75,24 +75,7 @@ class FSDPModule:
         unit = self._fsdp_unit
         policy = unit.mp_policy
         args, kwargs = cast_inputs(policy, args, kwargs)
-        # Units that no unit of ours encloses in the graph are named by their place in it:
-        # the first, unless it is the root, relative to itself (a block compiled on its
-        # own: every such block then traces the same graph, which Dynamo compiles once,
-        # as for the unsharded blocks); later root units (whose parent was not sharded,
-        # all named "") by their order. Read only while tracing, and only values equal
-        # across identical blocks (flags; the trace's own count is a constant).
-        # A unit directly inside such a block is named relative to the block.
-        naming = EAGER_FRAME
-        if torch.compiler.is_compiling():
-            naming = None
-            if all(n == EAGER_FRAME for n in forward_context.frame_namings):  # none encloses it in the graph
-                order = units_entered_in_this_trace()
-                if order == 0 and not unit.is_root:
-                    naming = FRAME_NAMING
-                elif order > 0 and unit.is_root:
-                    naming = order
-            elif forward_context.frame_namings[-1] == FRAME_NAMING and unit.name_in_parent is not None:
-                naming = NESTED_NAMING
+        naming = _naming_in_graph(unit)
         renamed = naming not in (None, EAGER_FRAME)
         if renamed:
             allow_side_effects(setattr, unit, "traced_naming", naming)
@@ -785,6 +768,33 @@ def _install_managed_param(owner: nn.Module, name: str, fsdp_param: FSDPParam) -
         owner.__dict__["_fsdp_params"] = {}
     owner.__dict__["_fsdp_params"][name] = fsdp_param
     _swap_class(owner, is_unit=isinstance(owner, FSDPModule))
+
+
+@never_a_frame_of_its_own
+def _naming_in_graph(unit: FSDPUnit) -> str | int | None:
+    """How ``unit``'s collectives are named in the graph Dynamo is tracing (its
+    ``FSDPUnit.traced_naming``), or ``EAGER_FRAME`` when not tracing.
+
+    Units that no unit of ours encloses in the graph are named by their place in it: the
+    first, unless it is the root, relative to itself (a block compiled on its own: every
+    such block then traces the same graph, which Dynamo compiles once, as for the
+    unsharded blocks); later root units (whose parent was not sharded, all named "") by
+    their order. A unit directly inside a block named relative to itself is named
+    relative to that block. Reads only values equal across identical blocks (flags, the
+    running forwards' namings; the trace's own count is a constant), so it adds no guard
+    that tells blocks apart."""
+    if not torch.compiler.is_compiling():
+        return EAGER_FRAME
+    if all(n == EAGER_FRAME for n in forward_context.frame_namings):  # none encloses it in the graph
+        order = units_entered_in_this_trace()
+        if order == 0 and not unit.is_root:
+            return FRAME_NAMING
+        if order > 0 and unit.is_root:
+            return order
+        return None
+    if forward_context.frame_namings[-1] == FRAME_NAMING and unit.name_in_parent is not None:
+        return NESTED_NAMING
+    return None
 
 
 class _CompiledModuleForward:
