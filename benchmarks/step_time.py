@@ -6,7 +6,8 @@ against a compute-only run of the same setups on one rank.
                                    [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
                                              ours-eager-nooverlap,ours-compiled-nopasses,ours-compiled,
                                              ours-compiled-noreshard,ours-compiled-a2a,
-                                             ours-compiled-noreshard-a2a,simplefsdp-manual,
+                                             ours-compiled-noreshard-a2a,fsdp2-blocks-compiled,
+                                             ours-blocks-compiled,simplefsdp-manual,
                                              simplefsdp-manual-noreshard,simplefsdp-auto]
 
 A Llama-style model (tied embeddings; ``--model hf-llama``: a ``transformers``
@@ -20,6 +21,9 @@ unsharded replica, compiled, on its own local batch, with no communication: the
 fastest a data-parallel step can be here, and, cold, the unsharded model's compile
 time that ours is compared with. The ratio columns divide by FSDP2 eager's and by
 this limit's median step.
+Two more, torchtitan's way of compiling (``--setups fsdp2-blocks-compiled,ours-blocks-compiled``):
+each decoder layer ``torch.compile``d on its own, then sharded (FSDP2's, or ours), the
+root run eagerly; our collectives then run eagerly around each compiled block, as FSDP2's.
 Default model: 33.6M parameters; ``--quick`` uses a 1-layer 0.08M-parameter model and 2
 steps (a smoke run: 1-2 minutes with warm compile caches).
 
@@ -99,6 +103,8 @@ SETUPS = {
     "ours-compiled-noreshard": ("ours compiled, no reshard", "ours", True, {}),
     "ours-compiled-a2a": ("ours compiled, gloo all-to-all", "ours", True, {"gloo_all_to_all": True}),
     "ours-compiled-noreshard-a2a": ("ours compiled, no reshard, gloo all-to-all", "ours", True, {"gloo_all_to_all": True}),
+    "fsdp2-blocks-compiled": ("fsdp2, blocks compiled one by one", "fsdp2", "blocks", {}),
+    "ours-blocks-compiled": ("ours, blocks compiled one by one", "ours", "blocks", {}),
     "simplefsdp-manual": ("SimpleFSDP + manual bucketing", "simplefsdp", True, {}),
     "simplefsdp-manual-noreshard": ("SimpleFSDP + manual bucketing, no reshard", "simplefsdp", True, {}),
     "simplefsdp-auto": ("SimpleFSDP + Inductor auto bucketing", "simplefsdp", True, {}),
@@ -289,11 +295,19 @@ def measure(
         else:
             shard = ours_fully_shard if kind == "ours" else fsdp2_fully_shard
             mesh = {"mesh": local_mesh} if local else {}
+            if compiled == "blocks":
+                # torchtitan's order: each block compiled on its own, then sharded; the root runs eagerly.
+                stats = {"graphs": 0, "calls": 0}
+                layers = _models.blocks(model)
+                holder = model.layers if hasattr(model, "layers") else model.model.layers
+                for i, layer in enumerate(layers):
+                    holder[i] = torch.compile(layer, backend=counting_inductor(stats))
             for layer in _models.blocks(model):
                 shard(layer, **mesh, **({} if reshard else {"reshard_after_forward": False}))
             shard(model, **mesh)
-        stats = {"graphs": 0, "calls": 0}
-        run_fn = torch.compile(model, backend=counting_inductor(stats)) if compiled else model
+        if compiled != "blocks":
+            stats = {"graphs": 0, "calls": 0}
+        run_fn = torch.compile(model, backend=counting_inductor(stats)) if compiled is True else model
         built[key] = (run_fn, torch.optim.AdamW(model.parameters(), lr=1e-4), changes, stats, inductor_changes)
     n_params = sum(p.numel() for p in _models.build(model_spec).parameters())
 

@@ -431,6 +431,11 @@ def _gathered_param_of(t: torch.Tensor) -> FSDPParam | None:
     return None
 
 
+# Autograd calls the hooks from eager code, which may run inside a compiled call (a block
+# compiled on its own, where Dynamo fell back to eager around an op it skipped): Dynamo
+# must not compile them, or what they call, as frames of their own (one graph per saved
+# tensor's dtype, size and stride, until its recompile limit).
+@torch.compiler.disable
 def _pack(t: torch.Tensor):
     if type(t) is not torch.Tensor or t.numel() == 0:
         return t
@@ -446,6 +451,7 @@ def _pack(t: torch.Tensor):
     return _SavedView(slot, t.size(), t.stride(), t.storage_offset())
 
 
+@torch.compiler.disable
 def _unpack(packed):
     if not isinstance(packed, _SavedView):
         return packed

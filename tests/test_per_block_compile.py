@@ -232,3 +232,69 @@ def test_blocks_sharded_without_their_parent_are_units_of_their_own(fake_pg):
     for graph, op in ((fw, c10d_functional.all_gather_into_tensor), (bw, c10d_functional.reduce_scatter_tensor)):
         units = [tag_of(n).unit_fqn for n in collective_nodes(graph, op)]
         assert {u: units.count(u) for u in units} == {"": 9, "(root 1)": 9, "(root 2)": 9}
+
+
+class PartlyEagerBlock(torch.nn.Module):
+    """A block Dynamo runs partly eagerly: a data-dependent branch inside a loop makes it
+    skip ``_loop``'s frame (as the per-expert loops of ``transformers``' MoE layers do),
+    so ``_loop`` runs eagerly inside the compiled call, saving gathered weights for
+    backward there."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = (torch.nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self._loop(self.inp(x)))
+
+    def _loop(self, h: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            if h.sum() > -1e9:
+                h = torch.relu(self.mid(h))
+        return h
+
+
+def graphs_with_partly_eager_blocks(kind: str) -> dict:
+    """On each rank: 3 ``PartlyEagerBlock``s compiled one by one (eager backend, counted),
+    then sharded (torchtitan's order), and a head; 3 SGD steps. Graphs compiled and the
+    full parameters after."""
+    import torch.distributed as dist
+
+    from fsdp_compile._compat import compile_counter, reset_dynamo
+    from fsdp_compile.testing import full_parameters
+
+    reset_dynamo()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(PartlyEagerBlock() for _ in range(3)), torch.nn.Linear(8, 2))
+    counter = compile_counter("eager")
+    for i in range(3):
+        model[i] = torch.compile(model[i], backend=counter)
+    if kind != "unsharded":
+        shard = fully_shard_of(kind)
+        for block in list(model)[:3]:
+            shard(block)
+        shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        local = x if kind == "unsharded" else x.chunk(world)[rank]
+        model(local).square().sum().mul(1 / 4 if kind == "unsharded" else world / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"graphs": counter.frame_count, "params": full_parameters(model)}
+
+
+def test_eager_code_inside_a_compiled_block_compiles_no_graph_of_ours(pool2):
+    """Autograd calls our saved-tensor hooks (resharding after forward) from the eager part
+    of a compiled block: Dynamo compiled them as frames of their own, recompiling them per
+    saved tensor's dtype, size and stride (found on ``transformers``' Qwen3-MoE with
+    per-expert loops: 12 graphs where the unsharded model and FSDP2 compile 9). As many
+    graphs as unsharded and FSDP2, and the same training."""
+    results = {kind: pool2.run(graphs_with_partly_eager_blocks, kind)[0] for kind in ("unsharded", "fsdp2", "ours")}
+    assert results["ours"]["graphs"] == results["unsharded"]["graphs"] == results["fsdp2"]["graphs"], {
+        k: r["graphs"] for k, r in results.items()
+    }
+    for name, expected in results["unsharded"]["params"].items():
+        torch.testing.assert_close(results["ours"]["params"][name], expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(results["ours"]["params"][name], results["fsdp2"]["params"][name], rtol=1e-6, atol=1e-7)
