@@ -91,9 +91,14 @@ def block_prefix(model: dict) -> str:
     return "layers." if model["family"] == "llama" else "model.layers."
 
 
+def block_list(module):
+    """The ``ModuleList`` holding a built model's decoder layers."""
+    return module.layers if hasattr(module, "layers") else module.model.layers
+
+
 def blocks(module) -> list:
     """The decoder layers of a built model, in order."""
-    return list(module.layers if hasattr(module, "layers") else module.model.layers)
+    return list(block_list(module))
 
 
 def bucket_plans(module) -> list:

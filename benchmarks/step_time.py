@@ -298,9 +298,8 @@ def measure(
             if compiled == "blocks":
                 # torchtitan's order: each block compiled on its own, then sharded; the root runs eagerly.
                 stats = {"graphs": 0, "calls": 0}
-                layers = _models.blocks(model)
-                holder = model.layers if hasattr(model, "layers") else model.model.layers
-                for i, layer in enumerate(layers):
+                holder = _models.block_list(model)
+                for i, layer in enumerate(list(holder)):
                     holder[i] = torch.compile(layer, backend=counting_inductor(stats))
             for layer in _models.blocks(model):
                 shard(layer, **mesh, **({} if reshard else {"reshard_after_forward": False}))
