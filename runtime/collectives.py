@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_compile._compat import c10d_functional, fx_annotate
+from fsdp_compile._compat import c10d_functional, fx_annotate, group_backend
 from fsdp_compile.runtime.bucket_copies import pad_dim0
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
@@ -125,9 +125,27 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return pad_dim0(t, rows)
 
 
+def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """``all_gather_into_tensor`` of ``shard`` (dim 0 first), issued, not waited on.
+
+    Run eagerly over a gloo group, it goes out as ``all_gather_into_tensor_out`` into a
+    fresh buffer: the same bytes, by ``ProcessGroupGloo::_allgather_base``. The
+    functional op takes gloo's coalesced all-gather, whose worker threads race on the
+    group's status record (``runLoop`` writes the finished work's name, a heap-allocated
+    string for that op, without a lock): with two of them in flight on one group, a
+    process died of heap corruption within a few thousand steps (torch 2.13 and 2.15).
+    Traced code keeps the functional op: Inductor lowers the ``_out`` op as an in-place
+    collective and may reuse its input buffer before the wait, so compiled graphs
+    still run gloo's coalesced all-gather (README, Limitations)."""
+    if not torch.compiler.is_compiling() and group_backend(group_name) == "gloo":
+        out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
+        return c10d_functional.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
+    return c10d_functional.all_gather_into_tensor(shard, world_size, group_name)
+
+
 def _all_gather(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     padded = _pad_rows(local, layout.rows_per_rank) if layout.local_rows != layout.rows_per_rank else local.contiguous()
-    gathered = c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(padded, layout.world_size, layout.group_name))
+    gathered = c10d_functional.wait_tensor(issue_all_gather(padded, layout.world_size, layout.group_name))
     return gathered.narrow(0, 0, layout.dim0) if layout.padded_dim0 != layout.dim0 else gathered
 
 
@@ -151,7 +169,7 @@ def post_forward_shard(full: torch.Tensor, layout: ShardLayout, group_size: int,
 def gather_post_forward_shard(post: torch.Tensor, layout: ShardLayout, group_name: str, group_size: int) -> torch.Tensor:
     """The full tensor (dim 0 first) again, all-gathered from :func:`post_forward_shard`'s
     blocks over the smaller group (no autograd)."""
-    gathered = c10d_functional.wait_tensor(c10d_functional.all_gather_into_tensor(post, group_size, group_name))
+    gathered = c10d_functional.wait_tensor(issue_all_gather(post, group_size, group_name))
     return gathered.narrow(0, 0, layout.dim0) if gathered.shape[0] != layout.dim0 else gathered
 
 

@@ -22,7 +22,7 @@ import torch
 
 from fsdp_compile._compat import c10d_functional, fx_annotate
 from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in
-from fsdp_compile.runtime.collectives import CollectiveSpec, ShardLayout
+from fsdp_compile.runtime.collectives import CollectiveSpec, ShardLayout, issue_all_gather
 
 
 def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
@@ -72,7 +72,7 @@ def issue_all_gather_bucket(
     if param_dtype is not None:
         shards = [s.to(param_dtype) for s in shards]
     flat = all_gather_copy_in([s.contiguous() for s in shards], [layout.padded_numel for layout in layouts])
-    return AllGatherInFlight(c10d_functional.all_gather_into_tensor(flat, layouts[0].world_size, layouts[0].group_name), list(layouts))
+    return AllGatherInFlight(issue_all_gather(flat, layouts[0].world_size, layouts[0].group_name), list(layouts))
 
 
 @dataclass(eq=False)

@@ -237,14 +237,17 @@ def eager_collectives_per_step(name: str) -> dict:
     def count(prof, op: str) -> int:
         return sum(e.count for e in prof.key_averages() if e.key == f"_c10d_functional::{op}")
 
+    def all_gathers(prof) -> int:  # over gloo, into new buffers (``runtime.collectives.issue_all_gather``)
+        return count(prof, "all_gather_into_tensor") + count(prof, "all_gather_into_tensor_out")
+
     with profile(activities=[ProfilerActivity.CPU]) as fwd:
         loss = loss_fn(name, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
     with profile(activities=[ProfilerActivity.CPU]) as bwd:
         loss.backward()
     return {
         "units": owning,
-        "forward_all_gathers": count(fwd, "all_gather_into_tensor"),
-        "backward_all_gathers": count(bwd, "all_gather_into_tensor"),
+        "forward_all_gathers": all_gathers(fwd),
+        "backward_all_gathers": all_gathers(bwd),
         "reduce_scatters": count(bwd, "reduce_scatter_tensor"),
     }
 
