@@ -137,7 +137,8 @@ def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> t
     Traced code keeps the functional op: Inductor lowers the ``_out`` op as an in-place
     collective and may reuse its input buffer before the wait, so compiled graphs
     still run gloo's coalesced all-gather (README, Limitations)."""
-    if not torch.compiler.is_compiling() and group_backend(group_name) == "gloo":
+    # A plain tensor outside Dynamo: not traced (AOTAutograd traces with fake/functional tensors).
+    if type(shard) is torch.Tensor and not torch.compiler.is_compiling() and group_backend(group_name) == "gloo":
         out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
         return c10d_functional.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
     return c10d_functional.all_gather_into_tensor(shard, world_size, group_name)
