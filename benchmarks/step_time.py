@@ -5,8 +5,8 @@ against a compute-only run of the same setups on one rank.
                                    [--vocab 16384] [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
                                    [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
                                              ours-eager-nooverlap,ours-compiled-nopasses,ours-compiled,
-                                             ours-compiled-noreshard,ours-compiled-a2a,
-                                             ours-compiled-noreshard-a2a,fsdp2-blocks-compiled,
+                                             ours-compiled-noreshard,ours-compiled-gloo,
+                                             ours-compiled-noreshard-gloo,fsdp2-blocks-compiled,
                                              ours-blocks-compiled,simplefsdp-manual,
                                              simplefsdp-manual-noreshard,simplefsdp-auto]
 
@@ -101,8 +101,9 @@ SETUPS = {
     "ours-compiled-nopasses": ("ours compiled, passes off", "ours", True, {"bucketing": False, "reorder": False}),
     "ours-compiled": ("ours compiled", "ours", True, {}),
     "ours-compiled-noreshard": ("ours compiled, no reshard", "ours", True, {}),
-    "ours-compiled-a2a": ("ours compiled, gloo all-to-all", "ours", True, {"gloo_all_to_all": True}),
-    "ours-compiled-noreshard-a2a": ("ours compiled, no reshard, gloo all-to-all", "ours", True, {"gloo_all_to_all": True}),
+    # gloo's own all-gather and reduce-scatter in the compiled code (config.gloo_all_to_all off).
+    "ours-compiled-gloo": ("ours compiled, gloo's own collectives", "ours", True, {"gloo_all_to_all": False}),
+    "ours-compiled-noreshard-gloo": ("ours compiled, no reshard, gloo's own collectives", "ours", True, {"gloo_all_to_all": False}),
     "fsdp2-blocks-compiled": ("fsdp2, blocks compiled one by one", "fsdp2", "blocks", {}),
     "ours-blocks-compiled": ("ours, blocks compiled one by one", "ours", "blocks", {}),
     "simplefsdp-manual": ("SimpleFSDP + manual bucketing", "simplefsdp", True, {}),
@@ -117,7 +118,7 @@ LIMIT = "unsharded-compiled"
 #: id -> (reshard the decoder layers after forward, the peer's Inductor pass or None).
 PEER_SETUPS = {
     "ours-compiled-noreshard": (False, None),
-    "ours-compiled-noreshard-a2a": (False, None),
+    "ours-compiled-noreshard-gloo": (False, None),
     "simplefsdp-manual": (True, "manual"),
     "simplefsdp-manual-noreshard": (False, "manual"),
     "simplefsdp-auto": (True, "auto"),

@@ -62,10 +62,12 @@ eager_overlap: bool = True
 #: Compiled graphs, groups whose backend is gloo: send our all-gathers and
 #: reduce-scatters as ``all_to_all_single`` (``fsdp_compile.passes.transport``):
 #: the same bytes, sent directly (gloo's own reduce-scatter is an all-reduce of a
-#: copy); a faster compiled step on CPU (BENCHMARKS.md). Off by default: the
-#: compiled code then shows all-to-alls where profiles and ``TORCH_LOGS=output_code``
-#: readers expect all-gathers. Eager runs and other backends (NCCL) never change.
-gloo_all_to_all: bool = False
+#: copy), and no gloo coalesced all-gather, whose worker threads race when two are
+#: in flight on one group (README, Limitations); a faster compiled step on CPU
+#: (BENCHMARKS.md). The compiled code then shows all-to-alls where profiles and
+#: ``TORCH_LOGS=output_code`` readers may expect all-gathers; False keeps gloo's
+#: own collectives. Eager runs and other backends (NCCL) never change.
+gloo_all_to_all: bool = True
 
 #: The first time each compiled graph runs, ranks compare their collective
 #: sequences and raise (all of them) on a difference instead of hanging.

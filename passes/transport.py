@@ -13,13 +13,14 @@ compute-only limit (``BENCHMARKS.md``).
 
 * all-gather of ``x`` (``[r, ...]``, world size ``w``) becomes an all-to-all of
   ``x`` repeated ``w`` times (every rank sends its shard to every rank): the
-  output is the all-gather's, rank-major.
+  output is the all-gather's, rank-major. Where ``x`` is a bucket's copy-in read by
+  the all-gather alone, the copy-in writes the ``w`` copies itself.
 * reduce-scatter of ``g`` (``[w * r, ...]``) becomes an all-to-all of ``g`` (slice
   ``k`` goes to rank ``k``): the output holds the ``w`` ranks' slices for this
   rank, ``[w, r, ...]``, summed over the first dimension after the wait (and
   divided by ``w`` for ``avg``).
 
-Opt-in: ``fsdp_compile.config.gloo_all_to_all``; only compiled graphs (Inductor's
+On by default: ``fsdp_compile.config.gloo_all_to_all``; only compiled graphs (Inductor's
 post-grad passes) and only groups whose backend is gloo. Runs after bucketing
 and reordering, before pinning: the all-to-all keeps the collective's tag and
 its single ``wait_tensor``, so pinning keeps its place in the schedule.
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
+from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN
 from fsdp_compile.passes.graph_utils import emit
 from fsdp_compile.runtime.vocabulary import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, aten, our_collectives, tag_of, val
 
@@ -78,11 +80,26 @@ def _all_to_all(graph: fx.Graph, issue: fx.Node, payload: fx.Node, rows: int, wo
 def _lower_all_gather(graph: fx.Graph, issue: fx.Node) -> None:
     shard, world_size, group_name = issue.args[0], issue.args[1], issue.args[2]
     shape = val(shard).shape
+    copy_in = shard if _is_single_copy_in(shard, issue) else None
+    if copy_in is not None:
+        # A bucket's copy-in writes its ``world_size`` copies itself, where it stood.
+        with graph.inserting_before(copy_in):
+            repeated = emit(graph, ALL_GATHER_COPY_IN, (*copy_in.args, world_size))
+        repeated.meta.update({key: value for key, value in copy_in.meta.items() if key != "val"})
+    else:
+        with graph.inserting_before(issue):
+            repeated = emit(graph, aten.repeat.default, (shard, [world_size] + [1] * (len(shape) - 1)))
     with graph.inserting_before(issue):
-        repeated = emit(graph, aten.repeat.default, (shard, [world_size] + [1] * (len(shape) - 1)))
         new = _all_to_all(graph, issue, repeated, shape[0], world_size, group_name)
     issue.replace_all_uses_with(new)
     graph.erase_node(issue)
+    if copy_in is not None:
+        graph.erase_node(copy_in)
+
+
+def _is_single_copy_in(shard: fx.Node, issue: fx.Node) -> bool:
+    """``shard`` is a bucket's copy-in (one copy) read by ``issue`` alone."""
+    return shard.target is ALL_GATHER_COPY_IN and len(shard.args) == 2 and list(shard.users) == [issue]
 
 
 def _lower_reduce_scatter(graph: fx.Graph, issue: fx.Node, wait: fx.Node) -> None:

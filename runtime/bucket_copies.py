@@ -49,20 +49,27 @@ def _(t, rows):
 
 
 @torch.library.custom_op("fsdp_compile::all_gather_copy_in", mutates_args=())
-def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int]) -> torch.Tensor:
+def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int], copies: int = 1) -> torch.Tensor:
     """The all-gather input: each member's local shard, zero-padded to its padded
-    size, back to back: one ``cat`` (a member's padding is a piece of zeros)."""
+    size, back to back (a member's padding is a piece of zeros); ``copies`` times over,
+    each copy written from the shards (the all-to-all transport sends one to each rank,
+    ``fsdp_compile.passes.transport``)."""
     pieces = []
     for shard, padded in zip(shards, padded_numels):
         pieces.append(shard.reshape(-1))
         if padded > shard.numel():
             pieces.append(shard.new_zeros(padded - shard.numel()))
-    return torch.cat(pieces)
+    if copies == 1:
+        return torch.cat(pieces)
+    out = shards[0].new_empty((copies, sum(padded_numels)))
+    for block in out:
+        torch.cat(pieces, out=block)
+    return out.view(-1)
 
 
 @all_gather_copy_in.register_fake
-def _(shards, padded_numels):
-    return shards[0].new_empty(sum(padded_numels))
+def _(shards, padded_numels, copies=1):
+    return shards[0].new_empty(copies * sum(padded_numels))
 
 
 @torch.library.custom_op("fsdp_compile::reduce_scatter_copy_in", mutates_args=())

@@ -138,7 +138,15 @@ def gradient_accumulation(
     on the last micro-batch of a step (``set_requires_gradient_sync``); with
     ``keep_gathered``, parameters also stay gathered between the micro-batches
     (``set_reshard_after_backward``). Records the all-gathers each micro-batch of the
-    last step issues."""
+    last step issues (compiled with gloo's own collectives, not the all-to-all
+    transport, so that the profile tells all-gathers from reduce-scatters)."""
+    from fsdp_compile import config
+
+    with config.patch(gloo_all_to_all=False):
+        return _gradient_accumulation(kind, backend, name, micro_batches, steps, keep_gathered)
+
+
+def _gradient_accumulation(kind: str, backend: str | None, name: str, micro_batches: int, steps: int, keep_gathered: bool) -> dict:
     model, units = build(name)
     _shard(units, kind)
     run, counter = compile_counting_graphs(model, backend)

@@ -128,8 +128,16 @@ def hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) ->
     with ``set_requires_all_reduce(False)`` (``"no_all_reduce"``) or
     ``set_requires_gradient_sync(False)`` (``"no_sync"``), the second with
     ``set_requires_gradient_sync(True)`` (as ``transformers``' Trainer does). Returns the
-    parameters after each step, the functional collectives each micro-batch ran, and the
-    graphs compiled after the first and the last step."""
+    parameters after each step, the functional collectives each micro-batch ran (compiled
+    with gloo's own collectives, not the all-to-all transport, so that the profile names
+    reduce-scatters), and the graphs compiled after the first and the last step."""
+    from fsdp_compile import config
+
+    with config.patch(gloo_all_to_all=False):
+        return _hsdp_accumulation(kind, backend, first_micro_batch)
+
+
+def _hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -72,7 +72,7 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
     rank, without communication); the others shard it over the pool's ranks and
     feed each rank its slice of the same global batch.
     """
-    for suffix in ("-a2a", "-counted"):  # the same, counting the compiled code's collectives (-a2a: with config.gloo_all_to_all)
+    for suffix in ("-a2a", "-gloo"):  # the same, counting the compiled code's collectives: -a2a with config.gloo_all_to_all, -gloo without
         if variant.endswith(suffix):
             from torch._inductor.utils import run_and_get_code
 
@@ -173,19 +173,19 @@ def _assert_records_equal(a: dict, b: dict, *, exact: bool, rtol=1e-5, atol=1e-6
         check(a["eval_out"], b["eval_out"], lambda m: f"{what} eval output: {m}")
 
 
-def test_gloo_all_to_all_is_bitwise_equal_to_the_default_compiled_step(pool2):
-    """``config.gloo_all_to_all`` on 2 ranks: the same compiled arithmetic (a reduce-scatter
-    sums two slices, and a + b is b + a), so the same losses and parameters, bit for bit,
-    over 3 steps, in one graph."""
-    variants = ["ours-inductor-counted", "ours-inductor-a2a"]
+def test_gloo_all_to_all_is_bitwise_equal_to_gloos_own_collectives(pool2):
+    """``config.gloo_all_to_all`` (the default) on 2 ranks against gloo's own all-gather and
+    reduce-scatter: the same compiled arithmetic (a reduce-scatter sums two slices, and
+    a + b is b + a), so the same losses and parameters, bit for bit, over 3 steps, in one graph."""
+    variants = ["ours-inductor-gloo", "ours-inductor-a2a"]
     per_rank = pool2.run(train_all, "llama", variants, STEPS)
     for variant in variants:
         _assert_records_equal(per_rank[0][variant], per_rank[1][variant], exact=True)
     result = per_rank[0]
-    _assert_records_equal(result["ours-inductor-a2a"], result["ours-inductor-counted"], exact=True, what="all-to-all vs default")
+    _assert_records_equal(result["ours-inductor-a2a"], result["ours-inductor-gloo"], exact=True, what="all-to-all vs gloo's collectives")
     assert result["ours-inductor-a2a"]["frames"] == 1
     # In the compiled code, every all-gather and reduce-scatter is an all-to-all.
-    lowered, default = result["ours-inductor-a2a"]["collectives"], result["ours-inductor-counted"]["collectives"]
+    lowered, default = result["ours-inductor-a2a"]["collectives"], result["ours-inductor-gloo"]["collectives"]
     assert default["all_to_all_single"] == lowered["all_gather_into_tensor"] == lowered["reduce_scatter_tensor"] == 0
     assert lowered["all_to_all_single"] == default["all_gather_into_tensor"] + default["reduce_scatter_tensor"] > 0
 

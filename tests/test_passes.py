@@ -579,6 +579,63 @@ def test_gloo_transport_lowers_both_collectives_to_all_to_alls_with_the_same_val
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _bucketed_gather_graph(extra_reader: bool) -> fx.GraphModule:
+    """A post-grad graph with one bucketed all-gather of ours (2 ranks): the copy-in of a
+    [2, 4] shard and a 3-element shard padded to 4, the collective, the copy-out; with
+    ``extra_reader`` the copy-in is also an output."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import operator
+
+    from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT
+    from fsdp_compile.passes.graph_utils import emit
+
+    g, mode = fx.Graph(), FakeTensorMode()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    for node, shape in ((a, (2, 4)), (b, (3,))):
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+    tag = CollectiveTag(Role.UNSHARD, "w", "layers.0", True)
+    copy_in = emit(g, ALL_GATHER_COPY_IN, ([a, b], [8, 4]), tag=tag)
+    ag = emit(g, c10d_functional.all_gather_into_tensor.default, (copy_in, 2, "0"), tag=tag)
+    gathered = emit(g, c10d_functional.wait_tensor.default, (ag,), tag=tag)
+    out = emit(g, ALL_GATHER_COPY_OUT, (gathered, [8, 4], 2), tag=tag)
+    full_a = emit(g, operator.getitem, (out, 0))
+    full_b = emit(g, operator.getitem, (out, 1))
+    g.output((full_a, full_b, copy_in) if extra_reader else (full_a, full_b))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_gloo_transport_has_a_bucket_copy_in_write_one_copy_per_rank(extra_reader):
+    """A bucket's copy-in read by the all-gather alone writes the all-to-all's
+    ``world_size`` copies itself, where it stood (no ``repeat`` of it); one with another
+    reader stays and is repeated. Same values either way."""
+    from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN
+    from fsdp_compile.passes.transport import lower_to_all_to_all
+    from fsdp_compile.runtime.vocabulary import tag_of
+
+    gm = _bucketed_gather_graph(extra_reader)
+    inputs = (torch.randn(2, 4), torch.randn(3))
+    before = _run_as_rank_0_of_identical_ranks(gm, *inputs)
+    assert lower_to_all_to_all(gm.graph, lambda group: True) == 1
+    gm.graph.lint()
+    gm.recompile()
+    (gather,) = our_collectives(gm.graph)
+    copy_ins = [n for n in gm.graph.nodes if n.target is ALL_GATHER_COPY_IN]
+    assert len(copy_ins) == 1
+    if extra_reader:
+        assert gather.input.target is aten.repeat.default and gather.input.args[0] is copy_ins[0]
+        assert copy_ins[0].args[2:] == ()
+    else:
+        assert gather.input is copy_ins[0] and copy_ins[0].args[2] == 2
+        assert tuple(gather.input.meta["val"].shape) == (24,) and gather.issue.args[1:3] == ([12, 12], [12, 12])
+        assert tag_of(gather.input) == gather.tag
+        assert list(gm.graph.nodes).index(gather.input) == 2  # where the copy-in stood
+    for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_gloo_transport_leaves_other_groups_and_collectives_alone():
     from fsdp_compile.passes.transport import lower_to_all_to_all
 

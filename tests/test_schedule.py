@@ -56,7 +56,11 @@ def compiled_step_code(
 
 
 def _schedule(pool2, prefetch=None, inductor_overlap=True, **config_changes):
-    """``inductor_overlap=False``: with Inductor's own compute/communication overlap off."""
+    """``inductor_overlap=False``: with Inductor's own compute/communication overlap off.
+    gloo's own collectives unless ``gloo_all_to_all=True`` is passed: the schedule
+    tests read all-gathers and reduce-scatters; the all-to-all transport (the default
+    over gloo) is checked against them in ``test_gloo_all_to_all_keeps_the_schedule_and_the_bytes``."""
+    config_changes.setdefault("gloo_all_to_all", False)
     key = (tuple(sorted(config_changes.items())), repr(prefetch), inductor_overlap)
     if key not in _cache:
         per_rank = pool2.run(
