@@ -116,7 +116,11 @@ def _replay(collectives: list, reps: int) -> float:
         if key not in buffers:
             dt = getattr(torch, _DTYPES.get(dtype, "float32"))
             inp = torch.ones(numel, dtype=dt)
-            out = torch.empty(numel * world, dtype=dt) if op == "all_gather" else None
+            out = None
+            if op == "all_gather":
+                out = torch.empty(numel * world, dtype=dt)
+            elif op == "all_to_all":
+                out = torch.empty(numel, dtype=dt)
             buffers[key] = (inp, out)
         return buffers[key]
 
@@ -128,6 +132,8 @@ def _replay(collectives: list, reps: int) -> float:
             dist.all_reduce(inp)
         elif op == "broadcast":
             dist.broadcast(inp, 0)
+        elif op == "all_to_all":  # our compiled all-gathers and reduce-scatters over gloo (config.gloo_all_to_all)
+            dist.all_to_all_single(out, inp)
         else:
             raise ValueError(f"replaying gloo:{op} is not implemented")
 
@@ -251,12 +257,18 @@ def _launch(pair: _netns.VethPair, args, out: Path, logdir: Path) -> dict:
 
 def _sent_mib(collectives: list, world: int = 2) -> float:
     """MiB each rank sends for ``collectives`` (ring algorithms: an all-gather sends
-    (w-1) inputs, an all-reduce 2(w-1)/w of its tensor)."""
+    (w-1) inputs, an all-reduce 2(w-1)/w of its tensor; an all-to-all sends (w-1)/w
+    of its input, every slice but its own)."""
     size = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
     total = 0.0
     for op, numel, dtype in collectives:
         nbytes = numel * size.get(dtype, 4)
-        total += nbytes * (world - 1) if op == "all_gather" else nbytes * 2 * (world - 1) / world
+        if op == "all_gather":
+            total += nbytes * (world - 1)
+        elif op == "all_to_all":
+            total += nbytes * (world - 1) / world
+        else:
+            total += nbytes * 2 * (world - 1) / world
     return total / 2**20
 
 
