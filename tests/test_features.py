@@ -138,11 +138,12 @@ def gradient_accumulation(
     on the last micro-batch of a step (``set_requires_gradient_sync``); with
     ``keep_gathered``, parameters also stay gathered between the micro-batches
     (``set_reshard_after_backward``). Records the all-gathers each micro-batch of the
-    last step issues (compiled with gloo's own collectives, not the all-to-all
-    transport, so that the profile tells all-gathers from reduce-scatters)."""
+    last step issues; with ``keep_gathered``, whose test reads them, compiled with
+    gloo's own collectives rather than the all-to-all transport, so that the profile
+    tells all-gathers from reduce-scatters."""
     from fsdp_compile import config
 
-    with config.patch(gloo_all_to_all=False):
+    with config.patch(gloo_all_to_all=False) if keep_gathered else contextlib.nullcontext():
         return _gradient_accumulation(kind, backend, name, micro_batches, steps, keep_gathered)
 
 
