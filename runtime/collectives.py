@@ -135,8 +135,10 @@ def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> t
     string for that op, without a lock): with two of them in flight on one group, a
     process died of heap corruption within a few thousand steps (torch 2.13 and 2.15).
     Traced code keeps the functional op: Inductor lowers the ``_out`` op as an in-place
-    collective and may reuse its input buffer before the wait, so compiled graphs
-    still run gloo's coalesced all-gather (README, Limitations)."""
+    collective and may reuse its input buffer before the wait. Compiled graphs over gloo
+    send it as an all-to-all instead (``config.gloo_all_to_all``, the default,
+    ``fsdp_compile.passes.transport``); with that off they run gloo's coalesced
+    all-gather (README, Limitations)."""
     # A plain tensor outside Dynamo: not traced (AOTAutograd traces with fake/functional tensors).
     if type(shard) is torch.Tensor and not torch.compiler.is_compiling() and group_backend(group_name) == "gloo":
         out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
