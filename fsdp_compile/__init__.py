@@ -7,8 +7,6 @@ can schedule. The API mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2).
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_compile import debug
-from fsdp_compile._compat import register_torch_log
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fully_shard import (
     FSDPModule,
@@ -19,11 +17,11 @@ from fsdp_compile._fully_shard import (
     replicate,
     share_comm_ctx,
 )
-from fsdp_compile.passes.registration import install_passes
+from fsdp_compile import debug  # noqa: F401  (fsdp_compile.debug.dump)
 
-install_passes()
-register_torch_log("fsdp_compile", "fsdp_compile")
-debug._dump_from_environment()
+# Nothing here changes torch: our graph passes, the cache-key correction, the log alias
+# and FSDP_COMPILE_DUMP take effect at the first fully_shard / replicate
+# (fsdp_compile.passes.registration.install_passes).
 
 __all__ = [
     "fully_shard",

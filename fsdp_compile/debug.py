@@ -121,7 +121,8 @@ def next_joint_file() -> Path | None:
     return None if root is None else root / f"joint_{next(_joint_ids)}.md"
 
 
-def _dump_from_environment() -> None:
+def dump_from_environment() -> None:
+    """``FSDP_COMPILE_DUMP=DIR``: dump for the life of the process (from the first ``fully_shard``)."""
     path = os.environ.get("FSDP_COMPILE_DUMP")
     if path:
         ctx = dump(path)

@@ -32,6 +32,7 @@ from fsdp_compile._compat import (
     group_backend,
     hash_of_files,
     make_graph_cache_keys_stable,
+    register_torch_log,
     set_joint_custom_pass,
     set_post_grad_custom_post_pass,
     watch_dynamo_frame_compiles,
@@ -204,13 +205,23 @@ class FSDPPostGradPass(CustomGraphPass):
 
 
 _POST_GRAD_PASS = FSDPPostGradPass()
+#: Whether the once-per-process part of :func:`install_passes` ran.
+_log_and_dump_set_up = False
 
 
 def install_passes() -> None:
     """Idempotent: make sure each of our passes is in its chain exactly once (and that
-    graphs with DTensor parameters get the same Inductor cache key in every process).
-    Runs at import and at every ``fully_shard``: ``torch._dynamo.reset()`` drops the
-    watch on frame compiles that attributes graph breaks to the frame that broke."""
+    graphs with DTensor parameters get the same Inductor cache key in every process,
+    ``TORCH_LOGS="+fsdp_compile"`` is known, ``FSDP_COMPILE_DUMP`` is honoured).
+    Runs at every ``fully_shard`` / ``replicate``, never at import (a process that
+    imports the package and shards nothing compiles as without it), and again each
+    time because ``torch._dynamo.reset()`` drops the watch on frame compiles that
+    attributes graph breaks to the frame that broke."""
+    global _log_and_dump_set_up
+    if not _log_and_dump_set_up:
+        _log_and_dump_set_up = True
+        register_torch_log("fsdp_compile", "fsdp_compile")
+        debug.dump_from_environment()
     make_graph_cache_keys_stable()
     watch_frame_compiles()
     current = get_joint_custom_pass()
