@@ -127,6 +127,19 @@ def make_graph_cache_keys_stable() -> None:
     FxGraphCachePickler._fsdp_compile_stable_keys = True
 
 
+def local_tensor_of(dtensor) -> torch.Tensor:
+    """torch/distributed/tensor/_api.py: a ``DTensor``'s own local tensor (not a view of it)."""
+    return dtensor._local_tensor
+
+
+def mark_as_parameter_input(t: torch.Tensor) -> None:
+    """torch/_dynamo/decorators.py: have Dynamo treat ``t``, a graph input that stands for a
+    parameter, as it treats parameters: static shapes under ``dynamic=True`` and a static
+    address for CUDA graphs (``mark_static``, ``mark_static_address``; unguarded)."""
+    torch._dynamo.mark_static(t)
+    torch._dynamo.mark_static_address(t, guard=False)
+
+
 def preserve_node_ordering(graph, additional_deps: dict) -> None:
     """torch/_inductor/fx_passes/control_dependencies.py: wrap each dependent node in
     ``control_deps`` so Inductor's scheduler runs it after the given nodes."""
@@ -512,6 +525,8 @@ def inductor_comm_overlap_flags() -> dict[str, bool]:
 
 
 __all__ = [
+    "local_tensor_of",
+    "mark_as_parameter_input",
     "c10d_functional",
     "compile_in_this_process",
     "place_in_backward",

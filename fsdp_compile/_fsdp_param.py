@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile._compat import fx_annotate
+from fsdp_compile._compat import fx_annotate, local_tensor_of, mark_as_parameter_input
 from fsdp_compile._eager_reduce import defers_reduction, pending_reductions
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._mixed_precision import param_dtype_for
@@ -115,6 +115,21 @@ class FSDPParam:
             if not key.startswith("_fsdp"):
                 setattr(self.sharded_param, key, value)
         route_forward_hooks_to_local_shard(self.sharded_param, local_fqn)
+        # [Note: plain graph inputs] What a traced gather reads: ``sharded_param.to_local()``,
+        # made once and kept, a plain tensor whose autograd edge (DTensor's ``to_local``
+        # backward) leads to the sharded parameter. It is a view of the DTensor's local
+        # tensor, so optimizer steps and checkpoint loads, which write that in place, show
+        # through it; the edge keeps nothing for backward, so every step's backward runs
+        # through it again. Read from here, the sharded ``DTensor`` is no input of a
+        # compiled graph: its inputs are plain tensors, and AOTAutograd needs no subclass
+        # handling for them (with a ``DTensor`` input it cannot compile a graph fragment
+        # that returns two views of one intermediate, as a graph break after
+        # ``tensor.unbind()`` / ``split()`` does: LLaVA's image features). The gradient
+        # reaches the parameter's ``.grad`` through autograd's own accumulation and
+        # hooks, as before (once the compiled backward returns it: that edge is older
+        # than any node of the step, so autograd runs it after the step's other ready nodes).
+        self.local_view: torch.Tensor
+        self.refresh_local_view()
         self.state = ParamState.SHARDED
         self.gathered: torch.Tensor | None = None
         # With set_reshard_after_backward(False): the full tensor (dim 0 first, no autograd)
@@ -252,9 +267,28 @@ class FSDPParam:
         with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)):
             return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
+    def refresh_local_view(self) -> None:
+        """Make :attr:`local_view` the current local tensor of :attr:`sharded_param`
+        again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
+        with torch.enable_grad():  # its autograd edge to the sharded parameter is the point
+            self.local_view = self.sharded_param.to_local()
+        mark_as_parameter_input(self.local_view)
+
+    def _local_shard(self, sharded_param: nn.Parameter) -> torch.Tensor:
+        """The local tensor the gather reads. Traced: :attr:`local_view` (see [Note: plain
+        graph inputs]), or ``to_local()`` where the parameter was frozen or unfrozen since.
+        Eager: a fresh ``to_local()``, whose autograd node is as new as the gather's, so
+        autograd accumulates each gradient (and runs its hooks) as soon as it is reduced."""
+        if torch.compiler.is_compiling():
+            view = self.local_view
+            return view if view.requires_grad == sharded_param.requires_grad else sharded_param.to_local()
+        if self.local_view._base is not local_tensor_of(sharded_param):
+            self.refresh_local_view()  # replaced since (a compiled step would read a stale view)
+        return sharded_param.to_local()
+
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local shard on the compute device, its shard dim first."""
-        local = self.unit.devices.to_compute(sharded_param.to_local())
+        local = self.unit.devices.to_compute(self._local_shard(sharded_param))
         return local.movedim(self.shard_dim, 0) if self.shard_dim and self.layout is not None else local
 
     def _for_compute(self, full: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import EAGER_FRAME, FRAME_NAMING, NESTED_NAMING, FSDPUnit, ShardDevices, compute_device, forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile._tensor_parallel import check_tensor_parallel_param
+from fsdp_compile.passes.registration import install_passes
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
 # Set on an original (unsharded) nn.Parameter once it is sharded, so that a
@@ -99,6 +100,14 @@ class FSDPModule:
         finally:
             _eager.post_forward()
         return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
+
+    def _apply(self, fn, *args, **kwargs):
+        # ``to_empty``, ``.to(...)``, ``.float()``: new local tensors for the sharded
+        # parameters; the views the gathers read follow (see [Note: plain graph inputs]).
+        result = super()._apply(fn, *args, **kwargs)
+        for fsdp_param in self._fsdp_unit.params:
+            fsdp_param.refresh_local_view()
+        return result
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
         """Gather this unit's parameters and keep them gathered until :meth:`reshard`
@@ -445,9 +454,6 @@ def fully_shard(
             the full mesh) is not supported and raises; pass the data-parallel sub-mesh
             as ``mesh`` (with tensor parallelism applied first on the other dims).
     """
-    from fsdp_compile.passes.registration import install_passes
-
-    install_passes()  # again: torch._dynamo.reset() forgets part of it (see install_passes)
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             f"fully_shard({_unit_name(_as_module_list(module))}, dp_mesh_dims=...): FSDP2's SPMD-mesh mode (modules "
@@ -477,6 +483,9 @@ def replicate(
 
 
 def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard):
+    # Our passes join torch.compile's pipeline when the first module is sharded, not at import;
+    # again at every call: torch._dynamo.reset() forgets part of it (see install_passes).
+    install_passes()
     modules = _as_module_list(module)
     _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     for m in modules:

@@ -22,13 +22,22 @@ DIM = 8
 
 
 class Block(nn.Module):
-    def __init__(self, break_inside: bool = False):
+    def __init__(self, break_inside: bool = False, views_across_break: bool = False):
         super().__init__()
         self.break_inside = break_inside
+        self.views_across_break = views_across_break
         self.up = nn.Linear(DIM, 2 * DIM)
         self.down = nn.Linear(2 * DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.views_across_break:
+            # Two views of one intermediate that is itself dead at the break: the graph before
+            # the break returns both views and not their base.
+            up = torch.relu(self.up(x))
+            halves = up[..., :DIM], up[..., DIM:]
+            del up
+            torch._dynamo.graph_break()
+            return x + self.down(torch.cat([halves[1], halves[0]], dim=-1))
         h = torch.relu(self.up(x))
         if self.break_inside:
             torch._dynamo.graph_break()
@@ -38,17 +47,27 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """``kind``: ``"break_in_block"`` (a break inside each sharded block's forward),
     ``"checkpoint_around_blocks"`` (``torch.utils.checkpoint.checkpoint(block, ...)``
-    around each sharded block), or plain."""
+    around each sharded block), ``"views_across_break"`` (several views of one
+    intermediate live across a break, in the root's and in each block's forward, as
+    LLaVA's per-image features are across its image-token check), or plain."""
 
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
         self.embed = nn.Linear(4, DIM)
-        self.blocks = nn.ModuleList(Block(break_inside=kind == "break_in_block") for _ in range(3))
+        views = kind == "views_across_break"
+        self.blocks = nn.ModuleList(Block(break_inside=kind == "break_in_block", views_across_break=views) for _ in range(3))
         self.head = nn.Linear(DIM, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
+        if self.kind == "views_across_break":
+            rows = list(self.embed(x))  # one view per sample (LLaVA: per image), their base dead
+            if bool((rows[0].abs().sum() > 0).item()):  # a data-dependent check: Dynamo breaks here
+                h = torch.stack([row.flip(0) for row in rows])
+            else:
+                h = torch.stack(rows)
+        else:
+            h = self.embed(x)
         for block in self.blocks:
             if self.kind == "checkpoint_around_blocks":
                 h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
@@ -78,6 +97,10 @@ def _build(kind: str) -> Stack:
 
 def break_in_block() -> Stack:
     return _build("break_in_block")
+
+
+def views_across_break() -> Stack:
+    return _build("views_across_break")
 
 
 def break_outside_units() -> BreakOutsideUnits:
@@ -111,6 +134,7 @@ CASES = {
     "break_in_block": break_in_block,
     "break_outside_units": break_outside_units,
     "checkpoint_around_blocks": checkpoint_around_blocks,
+    "views_across_break": views_across_break,
 }
 
 

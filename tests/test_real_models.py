@@ -4,7 +4,7 @@ For each model: 3 SGD (momentum) steps on 2 gloo ranks, eager (bucketed per unit
 compiled, match a single-process unsharded reference to fp32 rounding, and the compiled sharded model compiles no more graphs than the
 unsharded model under the same ``torch.compile`` call (GPT-2 breaks the graph by itself;
 the checkpointed Llamas checkpoint around each sharded layer, non-reentrant and
-reentrant). SGD rather than Adam:
+reentrant; LLaVA, a vision-language model, breaks it between its vision and text parts). SGD rather than Adam:
 Adam scales each update by the gradient's own magnitude, so parameters whose true
 gradient is zero (a key-projection bias: softmax ignores it) turn rounding noise into
 full-size updates and no tolerance tells rounding from a bug.
@@ -117,6 +117,48 @@ def llama_reentrant():
     return model
 
 
+IMAGE_TOKEN, IMAGE_SIZE, PATCH = 5, 16, 4  # 16 patches: 16 image tokens per image
+
+
+def llava():
+    """LLaVA (vision-language): a CLIP vision tower, a projector and a Llama, the image
+    features merged into the text embeddings at the image tokens. Its own code breaks the
+    graph (the image-token count check calls ``.item()``) right after a graph fragment
+    that returns one view per image of the projected features."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ + 16,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-1, vision_feature_select_strategy="default",
+    )
+    return _seeded(lambda: LlavaForConditionalGeneration(config))
+
+
+def shard_vision_and_text_layers(model, fully_shard) -> None:
+    for layer in [*model.model.vision_tower.encoder.layers, *model.model.language_model.layers]:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def image_batch(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``SEQ`` text tokens with one image's tokens after the first, and the images (LLaVA's
+    inputs); the targets are the tokens themselves."""
+    g = torch.Generator().manual_seed(2000 + step)
+    image_tokens = (IMAGE_SIZE // PATCH) ** 2
+    tokens = torch.randint(IMAGE_TOKEN + 1, VOCAB, (GLOBAL_BATCH, SEQ + image_tokens), generator=g)
+    tokens[:, 1 : 1 + image_tokens] = IMAGE_TOKEN
+    pixels = torch.randn(GLOBAL_BATCH, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
+    return (tokens, pixels), tokens
+
+
 def blocks(model) -> list:
     """The repeated blocks of any model above."""
     for path in ("model.layers", "transformer.h", "bert.encoder.layer"):
@@ -167,19 +209,21 @@ MODELS = {
     "bert_mlm": {"fullgraph": True},
     "llama_checkpointed": {},
     "llama_reentrant": {},
+    "llava": {},
 }
 BUILDERS = {
     "dense_gqa": dense_gqa, "moe": moe, "gpt2": gpt2, "bert_mlm": bert_mlm,
-    "llama_checkpointed": llama_checkpointed, "llama_reentrant": llama_reentrant,
+    "llama_checkpointed": llama_checkpointed, "llama_reentrant": llama_reentrant, "llava": llava,
 }
-SHARDING = {"llama_reentrant": shard_blocks_norm_and_head}  # the rest: shard_per_block
+SHARDING = {"llama_reentrant": shard_blocks_norm_and_head, "llava": shard_vision_and_text_layers}  # the rest: shard_per_block
+BATCHES = {"llava": image_batch}  # the rest: batch
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_real_model_trains_like_reference_without_extra_graphs(pool2, name):
     report = assert_parity(
         BUILDERS[name],
-        batch,
+        BATCHES.get(name, batch),
         token_loss,
         shard_fn=SHARDING.get(name, shard_per_block),
         backends=("eager", "inductor"),

@@ -66,9 +66,10 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
     losses, params = [], []
     for step in range(steps):
         inputs, targets = batch_fn(step)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)  # several inputs: each split by batch
         if sharded:
-            inputs, targets = inputs.chunk(world_size)[rank], targets.chunk(world_size)[rank]
-        loss = loss_fn(run(inputs), targets)
+            args, targets = tuple(a.chunk(world_size)[rank] for a in args), targets.chunk(world_size)[rank]
+        loss = loss_fn(run(*args), targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -108,7 +109,8 @@ def assert_parity(
 
     Args:
         model_fn: builds the unsharded model, identically on every rank (seed inside).
-        batch_fn: ``step -> (inputs, targets)``, the *global* batch (same on every rank).
+        batch_fn: ``step -> (inputs, targets)``, the *global* batch (same on every rank);
+            ``inputs`` may be a tuple of tensors (each split by batch, passed positionally).
         loss_fn: ``(output, targets) -> loss`` (a mean over the local batch).
         shard_fn: ``(model, fully_shard) -> None`` applies the given ``fully_shard``
             (ours, or torch's for ``reference="fsdp2"``) to the model's units.
