@@ -14,6 +14,13 @@ prefetch hints (``set_modules_to_forward_prefetch``) prefetch the units named in
 and ``config.prefetch_depth`` / ``max_inflight_bytes`` bound the default prefetch
 as they bound compiled steps'. Everything
 here runs outside Dynamo (``torch.compiler.disable``).
+
+What a step leaves in flight between calls (prefetched all-gathers, re-gather slots and
+prefetched re-gathers, deferred reduce-scatters) is kept per root, in the
+:class:`EagerState` every unit of one root shares (``FSDPUnit.eager``), as FSDP2 keeps
+it per root: two sharded models in one process (a teacher and a student, a policy and
+its reference) never wait on, drop or serve each other's collectives, and
+``reset_iter_state()`` on one leaves the other's alone.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 
 from fsdp_compile import config
 from fsdp_compile._compat import outside_dispatch_modes, running_backward_id, saved_tensors_hooks_active
-from fsdp_compile._eager_reduce import call_at_end_of_backward, pending_reductions
+from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
 from fsdp_compile._fsdp_param import (
     FSDPParam,
     ParamState,
@@ -56,21 +63,24 @@ def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
     recompile per unit), so the unit is gathered here, eagerly, as FSDP2 does, and
     a warning names it. Dynamo must not meet our saved-tensor hooks there."""
     args, kwargs = cast_inputs(unit.mp_policy, args, kwargs)
-    forward_context.enter(compiled=inside_compiled_call)
-    if forward_context.depth == 1 and running_backward_id() is None:
-        _drop_left_by_a_backward_that_raised()
+    state = unit.eager
+    forward_context.enter(compiled=inside_compiled_call, owner=state)
+    state.forward_depth += 1
+    if state.forward_depth == 1 and running_backward_id() is None:
+        state.drop_left_by_a_backward_that_raised()
     try:
         gather_unit(unit)
         if not inside_compiled_call:
-            forward_prefetch.gathered(unit)
+            state.forward_prefetch.gathered(unit, state.forward_depth)
     except BaseException:
-        post_forward()
+        post_forward(unit)
         raise
     # Resharding via saved-tensor hooks, unless other hooks already manage saved
-    # tensors (activation checkpointing recomputes them anyway).
+    # tensors (activation checkpointing recomputes them anyway; another root's forward
+    # running around this one packs for it).
     outermost = (
         not inside_compiled_call
-        and forward_context.depth == 1
+        and state.forward_depth == 1
         and torch.is_grad_enabled()
         and not saved_tensors_hooks_active()
     )
@@ -78,30 +88,15 @@ def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
 
 
 @torch.compiler.disable
-def post_forward() -> None:
+def post_forward(unit: FSDPUnit) -> None:
     forward_context.exit()
-    if forward_context.depth == 0:
-        forward_prefetch.outermost_returned()
+    state = unit.eager
+    state.forward_depth -= 1
+    if state.forward_depth == 0:
+        state.forward_prefetch.outermost_returned()
 
 
 cast_output_outside_dynamo = torch.compiler.disable(cast_output)
-
-
-def reset_iteration_state() -> None:
-    """What an aborted forward or backward left: wait on and drop its collectives in
-    flight and forget its re-gather slots (``FSDPModule.reset_iter_state``)."""
-    _drop_left_by_a_backward_that_raised()
-    forward_prefetch.drop_in_flight()
-    _open_slots.clear()
-    while forward_context.depth:
-        forward_context.exit()
-
-
-def _drop_left_by_a_backward_that_raised() -> None:
-    """Between backwards nothing is in flight, unless a backward raised: wait on and drop
-    what it left (its reduce-scatters, its prefetched re-gathers)."""
-    pending_reductions.drop_unfinished()
-    _drop_regathers_in_flight()
 
 
 def gather_unit(unit: FSDPUnit) -> None:
@@ -114,9 +109,9 @@ def gather_unit(unit: FSDPUnit) -> None:
         # A fresh gather starts a fresh re-gather slot: an earlier forward's slot lives on
         # only in its own autograd graph (a forward never followed by a backward leaves one
         # that was never unpacked; reusing it would serve a later backward its stale weight).
-        _open_slots.pop(fsdp_param, None)
+        unit.eager.open_slots.pop(fsdp_param, None)
     for key, bucket in _buckets(to_gather, FSDPParam.bucket_key):
-        prefetched = forward_prefetch.take(bucket) if key is not None else None
+        prefetched = unit.eager.forward_prefetch.take(bucket) if key is not None else None
         if prefetched is not None or (key is not None and len(bucket) > 1):
             gather_bucket(bucket, prefetched)
         else:
@@ -163,10 +158,11 @@ class _ForwardPrefetch:
         self.in_flight: list[_PrefetchedGather] = []
         self.forwards = 0  # outermost eager forwards so far (an id for the running one)
 
-    def gathered(self, unit: FSDPUnit) -> None:
-        """``unit`` was gathered by an eager forward: record it, and prefetch the next
-        (or the units ``unit.forward_prefetches`` names)."""
-        if forward_context.depth == 1:
+    def gathered(self, unit: FSDPUnit, depth: int) -> None:
+        """``unit`` was gathered by an eager forward, ``depth`` deep in its root's running
+        forwards: record it, and prefetch the next (or the units
+        ``unit.forward_prefetches`` names)."""
+        if depth == 1:
             self.outermost, self.order, self.on_track = unit, [], True
             self.forwards += 1
         if self.outermost is None:
@@ -214,7 +210,48 @@ class _ForwardPrefetch:
             prefetched.in_flight.wait()
 
 
-forward_prefetch = _ForwardPrefetch()
+@dataclass(eq=False)
+class EagerState:
+    """What eager steps of one root keep between calls (see the module docstring); every
+    unit under the root shares it (``FSDPUnit.eager``)."""
+
+    forward_prefetch: _ForwardPrefetch = field(default_factory=_ForwardPrefetch)
+    #: Per parameter, the re-gather slot its saved views share (see :class:`RegatherSlot`).
+    open_slots: dict[FSDPParam, RegatherSlot] = field(default_factory=dict)
+    #: Prefetched re-gathers of the running backward, not yet used.
+    regathers_in_flight: list[_RegatherInFlight] = field(default_factory=list)
+    #: Deferred reduce-scatters of the running backward(s).
+    reductions: PendingReductions = field(default_factory=PendingReductions)
+    #: This root's eager sharded forwards running now.
+    forward_depth: int = 0
+
+    def drop_regathers_in_flight(self) -> None:
+        """End of a backward: wait on the prefetched re-gathers it did not use."""
+        while self.regathers_in_flight:
+            self.regathers_in_flight.pop().drop()
+
+    def drop_left_by_a_backward_that_raised(self) -> None:
+        """Between backwards nothing is in flight, unless a backward raised: wait on and
+        drop what it left (its reduce-scatters, its prefetched re-gathers)."""
+        self.reductions.drop_unfinished()
+        self.drop_regathers_in_flight()
+
+    def reset(self) -> None:
+        """What an aborted forward or backward of this root left: wait on and drop its
+        collectives in flight, forget its re-gather slots and close its forwards still
+        open (``FSDPModule.reset_iter_state``)."""
+        self.drop_left_by_a_backward_that_raised()
+        self.forward_prefetch.drop_in_flight()
+        self.open_slots.clear()
+        forward_context.exit_all_owned_by(self)
+        self.forward_depth = 0
+
+    def in_flight(self) -> int:
+        """How many things a step of this root left in flight or open (0 between steps)."""
+        return (
+            len(self.forward_prefetch.in_flight) + len(self.regathers_in_flight) + len(self.reductions.pending)
+            + len(self.open_slots) + self.forward_depth
+        )
 
 
 def prefetch_fits(running: FSDPUnit, upcoming: FSDPUnit) -> bool:
@@ -291,12 +328,13 @@ def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
     key = slot.fsdp_param.regather_key()
     if key is None:
         return [slot]
+    unit_slots = slot.fsdp_param.unit.eager.open_slots
     bucket = []
     for fsdp_param in slot.fsdp_param.unit.params:
         if fsdp_param is slot.fsdp_param:
             bucket.append(slot)
         elif fsdp_param.owner is not None and fsdp_param.regather_key() == key:
-            other = _open_slots.get(fsdp_param)
+            other = unit_slots.get(fsdp_param)
             useful = other is not None and _needs_regather(other)
             bucket.append(other if useful else RegatherSlot(fsdp_param, forward=slot.forward))
     return bucket
@@ -317,7 +355,7 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
         return
     same_forward = [
         other
-        for other in _open_slots.values()
+        for other in unit.eager.open_slots.values()
         if other.forward == slot.forward and _needs_regather(other) and other.fsdp_param.unit is not unit
     ]
     if unit.backward_prefetches:
@@ -327,7 +365,7 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
         upcoming = max(earlier, key=lambda other: other.seq).fsdp_param.unit if earlier else None
         fits = upcoming is not None and prefetch_fits(unit, upcoming)
         targets = [other for other in earlier if other.fsdp_param.unit is upcoming] if fits else []
-    if not targets or not call_at_end_of_backward(_drop_regathers_in_flight):
+    if not targets or not call_at_end_of_backward(unit.eager.drop_regathers_in_flight):
         return
     for first in targets:
         if _needs_regather(first) and first.fsdp_param.regather_key() is not None:
@@ -346,11 +384,11 @@ class _RegatherInFlight:
         prefetched = _RegatherInFlight(slots, issue_bucket_gather([s.fsdp_param for s in slots], Role.REGATHER))
         for s in slots:
             s.prefetched = prefetched
-        _regathers_in_flight.append(prefetched)
+        slots[0].fsdp_param.unit.eager.regathers_in_flight.append(prefetched)
 
     def land(self) -> None:
         """Wait, and fill every member slot."""
-        _regathers_in_flight.remove(self)
+        self.slots[0].fsdp_param.unit.eager.regathers_in_flight.remove(self)
         fulls = gather_bucket_without_autograd([s.fsdp_param for s in self.slots], self.in_flight)
         for s, full in zip(self.slots, fulls):
             s.full, s.prefetched = full, None
@@ -360,15 +398,6 @@ class _RegatherInFlight:
         self.in_flight.wait()
         for s in self.slots:
             s.prefetched = None
-
-
-_regathers_in_flight: list[_RegatherInFlight] = []
-
-
-def _drop_regathers_in_flight() -> None:
-    """End of a backward: wait on the prefetched re-gathers it did not use."""
-    while _regathers_in_flight:
-        _regathers_in_flight.pop().drop()
 
 
 @dataclass
@@ -401,9 +430,6 @@ class _SavedView:
     size: torch.Size
     stride: tuple
     storage_offset: int
-
-
-_open_slots: dict[FSDPParam, RegatherSlot] = {}
 
 
 def reshard_after_forward_hooks():
@@ -442,9 +468,10 @@ def _pack(t: torch.Tensor):
     fsdp_param = _gathered_param_of(t)
     if fsdp_param is None or not fsdp_param.unit.frees_gathered_after_forward():
         return t
-    slot = _open_slots.get(fsdp_param)
+    state = fsdp_param.unit.eager
+    slot = state.open_slots.get(fsdp_param)
     if slot is None or slot.pending == 0:
-        slot = _open_slots[fsdp_param] = RegatherSlot(fsdp_param, forward=forward_prefetch.forwards)
+        slot = state.open_slots[fsdp_param] = RegatherSlot(fsdp_param, forward=state.forward_prefetch.forwards)
         if fsdp_param.unit.reshard_to is not None:
             slot.post_forward_shard = fsdp_param.post_forward_shard()
     slot.pending += 1
@@ -467,8 +494,9 @@ def _unpack(packed):
     slot.pending -= 1
     if slot.pending == 0:
         slot.full = slot.post_forward_shard = None
-        if _open_slots.get(slot.fsdp_param) is slot:
-            del _open_slots[slot.fsdp_param]
+        open_slots = slot.fsdp_param.unit.eager.open_slots
+        if open_slots.get(slot.fsdp_param) is slot:
+            del open_slots[slot.fsdp_param]
     return view
 
 

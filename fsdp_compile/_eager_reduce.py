@@ -38,7 +38,8 @@ def defers_reduction(shards: list[torch.Tensor]) -> bool:
 
 #: Per running backward (its graph task id), what to call when it ends. A backward
 #: can run inside another (reentrant activation checkpointing runs one per
-#: checkpointed region): each has its own list.
+#: checkpointed region): each has its own list. Keyed by autograd's own backward, which
+#: may run through several sharded models: what is queued is each root's own call.
 _at_end: dict[int, list[Callable[[], None]]] = {}
 
 
@@ -72,8 +73,8 @@ class _PendingReduction:
     reduction: ReduceScatterInFlight
 
 
-class _PendingReductions:
-    """The running backward's reduce-scatters not yet waited on, oldest first."""
+class PendingReductions:
+    """One root's reduce-scatters not yet waited on, oldest first (``EagerState.reductions``)."""
 
     def __init__(self) -> None:
         self.pending: list[_PendingReduction] = []
@@ -122,5 +123,3 @@ class _PendingReductions:
         # retain_graph: a backward run twice over the same graph reduces twice.
         torch.autograd.backward(pending.shards, grads, retain_graph=True)
 
-
-pending_reductions = _PendingReductions()

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile._compat import fx_annotate, local_tensor_of, mark_as_parameter_input
-from fsdp_compile._eager_reduce import defers_reduction, pending_reductions
+from fsdp_compile._eager_reduce import defers_reduction
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
@@ -386,7 +386,7 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
     specs = [p.spec for p in fsdp_params]
     with fx_annotate(first.spec.tag.as_meta()):
         if defers_reduction(shards):
-            deliver = pending_reductions.deliverer(shards)
+            deliver = first.unit.eager.reductions.deliverer(shards)
             fulls = gather_bucket_with_grad_sync([s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params)
         else:
             fulls = gather_bucket_with_grad_sync(shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params)

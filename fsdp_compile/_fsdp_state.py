@@ -137,6 +137,9 @@ class FSDPUnit:
     # have the name "", and would otherwise be bucketed as one unit); ``NESTED_NAMING``,
     # relative to the enclosing ``FRAME_NAMING`` unit (``FSDPParam.nested_frame_spec``).
     traced_naming: str | int | None = field(default=None, repr=False)
+    # What eager steps keep between calls (``fsdp_compile._eager.EagerState``), one per root,
+    # shared by every unit under it; set by fully_shard.
+    eager: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.module_fqns:
@@ -185,24 +188,42 @@ class _ForwardContext:
         self.frame_compiled: list[bool] = []  # per running sharded forward: entered inside a compiled call
         # Per running sharded forward: its unit's traced_naming, or EAGER_FRAME (not traced).
         self.frame_namings: list[str | int | None] = []
+        # Per running sharded forward: its root's eager state (``FSDPUnit.eager``), for eager
+        # forwards; None for traced ones.
+        self.frame_owners: list[object | None] = []
 
     @property
     def depth(self) -> int:
         return len(self.frames)
 
-    def enter(self, compiled: bool | None = None, naming: str | int | None = EAGER_FRAME) -> None:
+    def enter(self, compiled: bool | None = None, naming: str | int | None = EAGER_FRAME, owner: object | None = None) -> None:
         """A sharded forward starts; ``compiled``: inside a compiled call (default:
-        whether Dynamo is tracing it)."""
+        whether Dynamo is tracing it); ``owner``: its root's eager state (eager forwards)."""
         self.frames.append([])
         self.frame_compiled.append(torch.compiler.is_compiling() if compiled is None else compiled)
         self.frame_namings.append(naming)
+        self.frame_owners.append(owner)
 
     def exit(self) -> None:
         """The innermost sharded forward returns: drop what it gathered."""
         self.frame_compiled.pop()
         self.frame_namings.pop()
+        self.frame_owners.pop()
         for fsdp_param in self.frames.pop():
             fsdp_param.drop_gathered()
+
+    def exit_all_owned_by(self, owner: object) -> None:
+        """Close what an aborted step of ``owner``'s root left open: its eager forwards, and
+        traced forwards entered above them (a compiled step enters and exits its units in
+        the Python state it replays after each graph; an exception between two graphs of
+        one step leaves them open). Forwards of other roots running below stay."""
+        while self.frame_owners and self.frame_owners[-1] in (owner, None):
+            self.exit()
+        if owner in self.frame_owners:
+            raise RuntimeError(
+                "reset_iter_state: another sharded model's forward is still running inside this one's; "
+                "reset the innermost model first"
+            )
 
     def in_broken_graph(self) -> bool:
         """Eager code running inside a sharded forward that a compiled call entered:

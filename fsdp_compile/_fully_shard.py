@@ -98,7 +98,7 @@ class FSDPModule:
                 with reshard_hooks:
                     output = super().forward(*args, **kwargs)
         finally:
-            _eager.post_forward()
+            _eager.post_forward(self._fsdp_unit)
         return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
     def _apply(self, fn, *args, **kwargs):
@@ -357,7 +357,7 @@ class FSDPModule:
             raise RuntimeError(
                 f"reset_iter_state: call it on the root sharded module, not on {type(self).__name__}"
             )
-        _eager.reset_iteration_state()
+        self._fsdp_unit.eager.reset()
 
 
 class UnshardHandle:
@@ -512,6 +512,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
         ),
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
+        eager=_eager.EagerState(),
     )
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
     shard_dims = [_shard_dim(param, fqn, shard_placement_fn, _unit_name(modules)) for _, _, param, fqn, _ in owned]
@@ -547,6 +548,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
                 if sub._fsdp_unit.name_in_parent is None and sub is sub._fsdp_unit.modules[0]:
                     sub._fsdp_unit.name_in_parent = prefix  # the first (nearest) unit enclosing it
                 sub._fsdp_unit.is_root = False
+                sub._fsdp_unit.eager = unit.eager  # one eager state per root
                 sub._fsdp_unit.set_module_fqn(sub, prefix)
                 sub._fsdp_unit.refresh_specs()
     return module

@@ -46,8 +46,10 @@ def _sharded(name: str):
     return model, units
 
 
-def _nothing_in_flight() -> bool:
-    return not (eager.forward_prefetch.in_flight or eager._regathers_in_flight or eager_reduce.pending_reductions.pending)
+def _nothing_in_flight(model) -> bool:
+    """Nothing of ``model``'s root is left in flight (prefetches, re-gathers, reductions)."""
+    state = model._fsdp_unit.eager
+    return not (state.forward_prefetch.in_flight or state.regathers_in_flight or state.reductions.pending)
 
 
 def _data(name: str, step: int):
@@ -75,8 +77,8 @@ def _recording(events: list, model) -> None:
         "issue": eager.issue_bucket_gather,
         "gather": eager.gather_bucket,
         "land": eager._RegatherInFlight.land,
-        "deliverer": eager_reduce.pending_reductions.deliverer,
-        "finish": eager_reduce._PendingReductions._finish,
+        "deliverer": eager_reduce.PendingReductions.deliverer,
+        "finish": eager_reduce.PendingReductions._finish,
     }
 
     def issue(fsdp_params, role=eager.Role.UNSHARD):
@@ -96,10 +98,10 @@ def _recording(events: list, model) -> None:
 
     unit_of_shards = {}
 
-    def deliverer(shards):
+    def deliverer(self, shards):
         unit = unit_now[0]
         unit_of_shards.update({id(s): unit for s in shards})
-        deliver = originals["deliverer"](shards)
+        deliver = originals["deliverer"](self, shards)
 
         def logged(issue, members):
             def logged_issue():
@@ -123,15 +125,15 @@ def _recording(events: list, model) -> None:
     ]
     eager.issue_bucket_gather, eager.gather_bucket = issue, gather
     eager._RegatherInFlight.land = land
-    eager_reduce.pending_reductions.deliverer = deliverer
-    eager_reduce._PendingReductions._finish = staticmethod(finish)
+    eager_reduce.PendingReductions.deliverer = deliverer
+    eager_reduce.PendingReductions._finish = staticmethod(finish)
     try:
         yield
     finally:
         eager.issue_bucket_gather, eager.gather_bucket = originals["issue"], originals["gather"]
         eager._RegatherInFlight.land = originals["land"]
-        del eager_reduce.pending_reductions.deliverer
-        eager_reduce._PendingReductions._finish = staticmethod(originals["finish"])
+        eager_reduce.PendingReductions.deliverer = originals["deliverer"]
+        eager_reduce.PendingReductions._finish = staticmethod(originals["finish"])
         for handle in handles:
             handle.remove()
 
@@ -164,7 +166,7 @@ def _train(
                 loss = _loss(name, model(_local(x)), _local(y))
                 loss.backward()
             # Nothing is left in flight once a step's backward is done.
-            assert _nothing_in_flight()
+            assert _nothing_in_flight(model)
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
@@ -280,7 +282,7 @@ def hooks_and_accumulation(name: str) -> dict:
                 for micro in range(2):
                     x, y = _data(name, 2 * step + micro)
                     _loss(name, model(_local(x)), _local(y)).backward()
-                    assert _nothing_in_flight()
+                    assert _nothing_in_flight(model)
                 opt.step()
                 opt.zero_grad()
         return {"seen": seen, "params": full_parameters(model)}
@@ -339,7 +341,7 @@ def reentrant_checkpointing(name: str) -> dict:
                     h = checkpoint(layer, h, use_reentrant=True)
                 loss = _loss(name, layers[-1](h), _local(y))
                 loss.backward()
-                assert _nothing_in_flight()
+                assert _nothing_in_flight(model)
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.detach())

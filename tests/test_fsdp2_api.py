@@ -202,15 +202,13 @@ def recover_after_aborted_steps(kind: str) -> dict:
         if aborting["backward"]:
             output.register_hook(raise_in_backward)
 
-    def in_flight() -> int:
+    def in_flight(model) -> int:
         """Our eager state an aborted step can leave behind (0 for FSDP2: not ours)."""
         if kind != "ours":
             return 0
-        from fsdp_compile import _eager, _eager_reduce
         from fsdp_compile._fsdp_state import forward_context
 
-        return (len(_eager.forward_prefetch.in_flight) + len(_eager._regathers_in_flight)
-                + len(_eager_reduce.pending_reductions.pending) + len(_eager._open_slots) + forward_context.depth)
+        return model._fsdp_unit.eager.in_flight() + forward_context.depth
 
     left = {}
 
@@ -230,9 +228,9 @@ def recover_after_aborted_steps(kind: str) -> dict:
                 with pytest.raises(Boom):
                     model(x).square().mean().backward()
                 aborting[where] = False
-                left[where] = in_flight()
+                left[where] = in_flight(model)
                 model.reset_iter_state()
-                left[where + ", after reset"] = in_flight()
+                left[where + ", after reset"] = in_flight(model)
             model.zero_grad(set_to_none=True)
         for _ in range(STEPS):
             model(x).square().mean().backward()
