@@ -98,7 +98,7 @@ class VethPair:
             self._created.append(ns)
         a, b = self.devices
         _run("ip", "link", "add", "name", a, "netns", self.namespaces[0], "type", "veth", "peer", "name", b, "netns", self.namespaces[1])
-        for ns, dev, addr in zip(self.namespaces, self.devices, self.addresses):
+        for ns, dev, addr in zip(self.namespaces, self.devices, self.addresses, strict=True):
             _run("ip", "addr", "add", f"{addr}/24", "dev", dev, netns=ns)
             _run("ip", "link", "set", "lo", "up", netns=ns)
             _run("ip", "link", "set", dev, "up", netns=ns)
@@ -107,7 +107,7 @@ class VethPair:
         """Limit both directions (each end's egress) to ``rate`` with ``delay_us`` added
         (netem); where the kernel has no netem, a token bucket (tbf) at ``rate`` and no
         added delay. ``None``: no qdisc. Returns what was applied, in words."""
-        for ns, dev in zip(self.namespaces, self.devices):
+        for ns, dev in zip(self.namespaces, self.devices, strict=True):
             _run("tc", "qdisc", "del", "dev", dev, "root", netns=ns, check=False)
         if rate is None:
             return "unshaped veth"
@@ -117,7 +117,7 @@ class VethPair:
         # up to 20 ms queued before drops.
         tbf = ["tbf", "rate", rate, "burst", str(max(128 << 10, int(bps / 8 / 1000))), "latency", "20ms"]
         applied = "netem"
-        for i, (ns, dev) in enumerate(zip(self.namespaces, self.devices)):
+        for i, (ns, dev) in enumerate(zip(self.namespaces, self.devices, strict=True)):
             if applied == "netem":
                 proc = _run("tc", "qdisc", "add", "dev", dev, "root", *netem, netns=ns, check=False)
                 if proc.returncode == 0:

@@ -9,9 +9,9 @@ a small and a large message (ring model: t = alpha + (n-1)/n * bytes / bw).
 
 from __future__ import annotations
 
+import time
 
 from benchmarks._common import one_thread_per_rank
-import time
 
 
 def _best(fn, repeat=7):

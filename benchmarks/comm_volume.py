@@ -20,7 +20,6 @@ ideal; padding of uneven shards puts it slightly over.
 
 from __future__ import annotations
 
-
 from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 SETUPS = {

@@ -84,7 +84,7 @@ def measure(setup: str, layers: int, backend: str) -> dict:
     torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 64)).sum().backward()
     first_step = time.perf_counter() - start
     names, values = compile_times(repr="csv", aggregate=True)
-    timers = {name: float(value) for name, value in zip(names, values)}
+    timers = {name: float(value) for name, value in zip(names, values, strict=True)}
     inductor = counters["inductor"]
     return {
         "params": sum(1 for _ in model.parameters()),

@@ -10,7 +10,6 @@ compile is cold. Run from the repository root (reuses ``tests/dynamic_jobs.py``)
 
 from __future__ import annotations
 
-
 from benchmarks._common import one_thread_per_rank, table_header
 
 

@@ -10,7 +10,6 @@ first, recompiles in the second.
 
 from __future__ import annotations
 
-
 from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 

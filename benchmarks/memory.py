@@ -36,8 +36,7 @@ SETUPS = [
 def measure(kind: str, backend: str | None, reshard: bool, layers: int, dim: int, batch: int) -> dict:
     import torch
 
-    from benchmarks._memory_probe import reset_hwm, rss_mib
-    from benchmarks._memory_probe import hwm_mib
+    from benchmarks._memory_probe import hwm_mib, reset_hwm, rss_mib
 
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard

@@ -32,7 +32,6 @@ The numbers are modelled, not measured.
 
 from __future__ import annotations
 
-
 from benchmarks._common import benchmark_parser, one_thread_per_rank, table_header
 
 
@@ -82,8 +81,8 @@ def _variants(gm, profile: str, plans, peers: bool):
     import torch.fx as fx
 
     from fsdp_compile.passes.bucketing import bucket_collectives
-    from fsdp_compile.passes.schedule import copy_graph
     from fsdp_compile.passes.reordering import reorder_for_overlap
+    from fsdp_compile.passes.schedule import copy_graph
 
     def fresh():
         return fx.GraphModule(gm, copy_graph(gm.graph))
@@ -152,7 +151,7 @@ def main(argv=None) -> None:
     for profile in PROFILES:
         print(f"### {profile}\n")
         print(table_header('graph', 'variant', 'collectives', 'step (ms)', 'communication (ms)', 'exposed (ms)', 'overlap', 'peak (MiB)'))
-        for name, gm in zip(("forward", "backward"), graphs):
+        for name, gm in zip(("forward", "backward"), graphs, strict=True):
             for variant, g in _variants(gm, profile, plans, peers=not skipped).items():
                 sim = simulate(g.graph, profile)
                 n_coll = sum(1 for n in g.graph.nodes if collective_kind(n) in ("all_gather", "reduce_scatter"))

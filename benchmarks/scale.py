@@ -237,9 +237,8 @@ def run_our_passes(gm) -> tuple[object, float, float]:
     import torch.fx as fx
 
     from fsdp_compile import config
-    from fsdp_compile.passes.schedule import copy_graph
     from fsdp_compile.passes.pinning import pin_schedule
-    from fsdp_compile.passes.schedule import bucket_cap_bytes, schedule_collectives
+    from fsdp_compile.passes.schedule import bucket_cap_bytes, copy_graph, schedule_collectives
 
     def ours():
         graph = copy_graph(gm.graph)
@@ -389,7 +388,7 @@ def measure(tr: Trace) -> Measures:
         )
         m.split[profile] = tuple(
             x
-            for g, sim in zip(finals, sims)
+            for g, sim in zip(finals, sims, strict=True)
             for x in (
                 sim.compute_s,
                 sim.communication_s,
@@ -413,10 +412,10 @@ def _extrapolate(a: Measures, b: Measures, depth_a: int, depth_b: int, depth: in
         setattr(out, name, line(getattr(a, name), getattr(b, name)))
     out.passes_s = out.pinning_s = None  # grow faster than linearly with depth: not extrapolated
     for name in ("collectives_traced", "collectives"):
-        setattr(out, name, tuple(round(line(x, y)) for x, y in zip(getattr(a, name), getattr(b, name))))
+        setattr(out, name, tuple(round(line(x, y)) for x, y in zip(getattr(a, name), getattr(b, name), strict=True)))
     out.trace_s = a.trace_s + b.trace_s  # what it cost here
-    out.times = {p: tuple(line(x, y) for x, y in zip(a.times[p], b.times[p])) for p in a.times}
-    out.split = {p: tuple(line(x, y) for x, y in zip(a.split[p], b.split[p])) for p in a.split}
+    out.times = {p: tuple(line(x, y) for x, y in zip(a.times[p], b.times[p], strict=True)) for p in a.times}
+    out.split = {p: tuple(line(x, y) for x, y in zip(a.split[p], b.split[p], strict=True)) for p in a.split}
     return out
 
 

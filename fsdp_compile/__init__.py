@@ -7,6 +7,7 @@ can schedule. The API mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2).
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from fsdp_compile import debug  # noqa: F401  (fsdp_compile.debug.dump)
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fully_shard import (
     FSDPModule,
@@ -17,7 +18,6 @@ from fsdp_compile._fully_shard import (
     replicate,
     share_comm_ctx,
 )
-from fsdp_compile import debug  # noqa: F401  (fsdp_compile.debug.dump)
 
 # Nothing here changes torch: our graph passes, the cache-key correction, the log alias
 # and FSDP_COMPILE_DUMP take effect at the first fully_shard / replicate

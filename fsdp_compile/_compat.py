@@ -22,12 +22,11 @@ c10d_functional = torch.ops._c10d_functional
 # the joint graph, which is how passes recognise the nodes our runtime emitted.
 from torch.fx.traceback import annotate as fx_annotate  # noqa: E402
 
-# torch/utils/checkpoint.py: partitioner policy tags in node.meta["recompute"].
-from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402  (public, listed for completeness)
-
-
 # torch/utils/_pytree.py: map over nested containers (Dynamo traces it).
 from torch.utils._pytree import tree_map  # noqa: E402
+
+# torch/utils/checkpoint.py: partitioner policy tags in node.meta["recompute"].
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402  (public, listed for completeness)
 
 # torch/_ops.py: the type of ``torch.ops.<namespace>.<op>.<overload>`` (FX node targets).
 OpOverload = torch._ops.OpOverload

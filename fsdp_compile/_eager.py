@@ -79,10 +79,7 @@ def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
     # tensors (activation checkpointing recomputes them anyway; another root's forward
     # running around this one packs for it).
     outermost = (
-        not inside_compiled_call
-        and state.forward_depth == 1
-        and torch.is_grad_enabled()
-        and not saved_tensors_hooks_active()
+        not inside_compiled_call and state.forward_depth == 1 and torch.is_grad_enabled() and not saved_tensors_hooks_active()
     )
     return args, kwargs, reshard_after_forward_hooks() if outermost else None
 
@@ -249,8 +246,11 @@ class EagerState:
     def in_flight(self) -> int:
         """How many things a step of this root left in flight or open (0 between steps)."""
         return (
-            len(self.forward_prefetch.in_flight) + len(self.regathers_in_flight) + len(self.reductions.pending)
-            + len(self.open_slots) + self.forward_depth
+            len(self.forward_prefetch.in_flight)
+            + len(self.regathers_in_flight)
+            + len(self.reductions.pending)
+            + len(self.open_slots)
+            + self.forward_depth
         )
 
 
@@ -309,7 +309,7 @@ def _regather(slot: RegatherSlot) -> None:
         if len(bucket) == 1:
             slot.full = slot.fsdp_param.gather_without_autograd()
         else:
-            for other, full in zip(bucket, gather_bucket_without_autograd([s.fsdp_param for s in bucket])):
+            for other, full in zip(bucket, gather_bucket_without_autograd([s.fsdp_param for s in bucket]), strict=True):
                 other.full = full
     _prefetch_regather_before(slot)
 
@@ -390,7 +390,7 @@ class _RegatherInFlight:
         """Wait, and fill every member slot."""
         self.slots[0].fsdp_param.unit.eager.regathers_in_flight.remove(self)
         fulls = gather_bucket_without_autograd([s.fsdp_param for s in self.slots], self.in_flight)
-        for s, full in zip(self.slots, fulls):
+        for s, full in zip(self.slots, fulls, strict=True):
             s.full, s.prefetched = full, None
 
     def drop(self) -> None:
@@ -498,5 +498,3 @@ def _unpack(packed):
         if open_slots.get(slot.fsdp_param) is slot:
             del open_slots[slot.fsdp_param]
     return view
-
-

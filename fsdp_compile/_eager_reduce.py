@@ -122,4 +122,3 @@ class PendingReductions:
         grads = pending.reduction.wait()
         # retain_graph: a backward run twice over the same graph reduces twice.
         torch.autograd.backward(pending.shards, grads, retain_graph=True)
-

@@ -85,16 +85,7 @@ class FSDPParam:
         self.shard_dim = shard_dim
         # The dtype it is gathered and computed in (per parameter: param_dtype_override_fn).
         self.param_dtype = param_dtype_for(unit.mp_policy, param)
-        if data.ndim == 0 or not dp.shards:
-            self.layout = None  # replicated: gradient all-reduced
-            local = data.clone()
-        else:
-            # The runtime splits dim 0; another shard dim is moved there and back.
-            moved = data.movedim(shard_dim, 0)
-            self.layout = ShardLayout(tuple(moved.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
-            start = min(dp.shard_rank * self.layout.rows_per_rank, moved.shape[0])
-            local = moved.narrow(0, start, self.layout.local_rows).movedim(0, shard_dim)
-            local = local.clone(memory_format=torch.contiguous_format)
+        self.layout, local = _split(data, shard_dim, dp)
         self.reduce_group_names = dp.reduce_group_names(sharded=self.layout is not None)
         dtensor = DTensor.from_local(
             unit.devices.to_storage(local),
@@ -115,20 +106,7 @@ class FSDPParam:
             if not key.startswith("_fsdp"):
                 setattr(self.sharded_param, key, value)
         route_forward_hooks_to_local_shard(self.sharded_param, local_fqn)
-        # [Note: plain graph inputs] What a traced gather reads: ``sharded_param.to_local()``,
-        # made once and kept, a plain tensor whose autograd edge (DTensor's ``to_local``
-        # backward) leads to the sharded parameter. It is a view of the DTensor's local
-        # tensor, so optimizer steps and checkpoint loads, which write that in place, show
-        # through it; the edge keeps nothing for backward, so every step's backward runs
-        # through it again. Read from here, the sharded ``DTensor`` is no input of a
-        # compiled graph: its inputs are plain tensors, and AOTAutograd needs no subclass
-        # handling for them (with a ``DTensor`` input it cannot compile a graph fragment
-        # that returns two views of one intermediate, as a graph break after
-        # ``tensor.unbind()`` / ``split()`` does: LLaVA's image features). The gradient
-        # reaches the parameter's ``.grad`` through autograd's own accumulation and
-        # hooks, as before (once the compiled backward returns it: that edge is older
-        # than any node of the step, so autograd runs it after the step's other ready nodes).
-        self.local_view: torch.Tensor
+        self.local_view: torch.Tensor  # see [Note: plain graph inputs]
         self.refresh_local_view()
         self.state = ParamState.SHARDED
         self.gathered: torch.Tensor | None = None
@@ -229,7 +207,9 @@ class FSDPParam:
             return None
         if self._grad_accumulator is not None and self._grad_accumulator.grad is not None:
             return None
-        if self._partial_accumulator is not None and (not self.unit.requires_all_reduce or self._partial_accumulator.grad is not None):
+        if self._partial_accumulator is not None and (
+            not self.unit.requires_all_reduce or self._partial_accumulator.grad is not None
+        ):
             return None
         return bucket_key(self.spec, self.sharded_param)
 
@@ -267,6 +247,19 @@ class FSDPParam:
         with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)):
             return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
+    # [Note: plain graph inputs] What a traced gather reads: ``sharded_param.to_local()``,
+    # made once and kept, a plain tensor whose autograd edge (DTensor's ``to_local``
+    # backward) leads to the sharded parameter. It is a view of the DTensor's local
+    # tensor, so optimizer steps and checkpoint loads, which write that in place, show
+    # through it; the edge keeps nothing for backward, so every step's backward runs
+    # through it again. Read from here, the sharded ``DTensor`` is no input of a
+    # compiled graph: its inputs are plain tensors, and AOTAutograd needs no subclass
+    # handling for them (with a ``DTensor`` input it cannot compile a graph fragment
+    # that returns two views of one intermediate, as a graph break after
+    # ``tensor.unbind()`` / ``split()`` does: LLaVA's image features). The gradient
+    # reaches the parameter's ``.grad`` through autograd's own accumulation and
+    # hooks, as before (once the compiled backward returns it: that edge is older
+    # than any node of the step, so autograd runs it after the step's other ready nodes).
     def refresh_local_view(self) -> None:
         """Make :attr:`local_view` the current local tensor of :attr:`sharded_param`
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
@@ -365,6 +358,20 @@ def _spec_key_as_root(fsdp_param: FSDPParam, order: int) -> str:
     return dataclasses.replace(spec, tag=dataclasses.replace(spec.tag, unit_fqn=f"(root {order})")).key
 
 
+def _split(data: torch.Tensor, shard_dim: int, dp) -> tuple[ShardLayout | None, torch.Tensor]:
+    """This rank's shard of ``data`` (a copy) along ``shard_dim`` over ``dp``'s shard group,
+    and its layout; ``None`` and the whole tensor where it is replicated (0-dim, or no
+    shard group), its gradient all-reduced."""
+    if data.ndim == 0 or not dp.shards:
+        return None, data.clone()
+    # The runtime splits dim 0; another shard dim is moved there and back.
+    moved = data.movedim(shard_dim, 0)
+    layout = ShardLayout(tuple(moved.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
+    start = min(dp.shard_rank * layout.rows_per_rank, moved.shape[0])
+    local = moved.narrow(0, start, layout.local_rows).movedim(0, shard_dim)
+    return layout, local.clone(memory_format=torch.contiguous_format)
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
@@ -387,10 +394,12 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
     with fx_annotate(first.spec.tag.as_meta()):
         if defers_reduction(shards):
             deliver = first.unit.eager.reductions.deliverer(shards)
-            fulls = gather_bucket_with_grad_sync([s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params)
+            fulls = gather_bucket_with_grad_sync(
+                [s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params
+            )
         else:
             fulls = gather_bucket_with_grad_sync(shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params)
-    for fsdp_param, full in zip(fsdp_params, fulls):
+    for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
         fsdp_param._note_gathered(full)
 
 
@@ -412,11 +421,13 @@ def shard_versions(fsdp_params: list[FSDPParam]) -> tuple[int, ...]:
         return tuple(v for p in fsdp_params for v in (p.sharded_param._version, p.sharded_param.to_local()._version))
 
 
-def gather_bucket_without_autograd(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None) -> list[torch.Tensor]:
+def gather_bucket_without_autograd(
+    fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None
+) -> list[torch.Tensor]:
     """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :meth:`FSDPParam.regather_key`;
     ``in_flight``: its all-gather, issued ahead by :func:`issue_bucket_gather`."""
     if in_flight is None:
         in_flight = issue_bucket_gather(fsdp_params, Role.REGATHER)
     with torch.no_grad():
         fulls = in_flight.wait()
-    return [p._for_compute(full) for p, full in zip(fsdp_params, fulls)]
+    return [p._for_compute(full) for p, full in zip(fsdp_params, fulls, strict=True)]

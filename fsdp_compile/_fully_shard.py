@@ -34,7 +34,15 @@ from fsdp_compile._compat import (
     units_entered_in_this_trace,
 )
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
-from fsdp_compile._fsdp_state import EAGER_FRAME, FRAME_NAMING, NESTED_NAMING, FSDPUnit, ShardDevices, compute_device, forward_context
+from fsdp_compile._fsdp_state import (
+    EAGER_FRAME,
+    FRAME_NAMING,
+    NESTED_NAMING,
+    FSDPUnit,
+    ShardDevices,
+    compute_device,
+    forward_context,
+)
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile._tensor_parallel import check_tensor_parallel_param
 from fsdp_compile.passes.registration import install_passes
@@ -142,9 +150,7 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (compiled graphs holding these units recompile)."""
         if not isinstance(reshard_after_forward, bool):
-            raise NotImplementedError(
-                f"set_reshard_after_forward({reshard_after_forward!r}): only True/False are supported"
-            )
+            raise NotImplementedError(f"set_reshard_after_forward({reshard_after_forward!r}): only True/False are supported")
         for unit in units_in(self, recurse):
             unit.reshard_after_forward, unit.reshard_to = reshard_after_forward, None
             unit.refresh_specs()
@@ -203,8 +209,7 @@ class FSDPModule:
         for m in modules:
             if not isinstance(m, FSDPModule):
                 raise ValueError(
-                    f"{method}: {type(m).__name__} is not a sharded module; pass modules that "
-                    "fully_shard was applied to"
+                    f"{method}: {type(m).__name__} is not a sharded module; pass modules that fully_shard was applied to"
                 )
             if m._fsdp_unit is self._fsdp_unit:
                 raise ValueError(f"{method}: a unit cannot prefetch itself ({type(m).__name__})")
@@ -354,9 +359,7 @@ class FSDPModule:
         it on the root unit (the module the last ``fully_shard`` call was applied to).
         (The next eager forward does the same by itself.)"""
         if not self._fsdp_unit.is_root:
-            raise RuntimeError(
-                f"reset_iter_state: call it on the root sharded module, not on {type(self).__name__}"
-            )
+            raise RuntimeError(f"reset_iter_state: call it on the root sharded module, not on {type(self).__name__}")
         self._fsdp_unit.eager.reset()
 
 
@@ -490,13 +493,10 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     for m in modules:
         if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module"
-            )
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
     if not dist.is_initialized() and mesh is None:
         raise RuntimeError(
-            "fully_shard needs torch.distributed: call torch.distributed.init_process_group() "
-            "first (or pass mesh=)"
+            "fully_shard needs torch.distributed: call torch.distributed.init_process_group() first (or pass mesh=)"
         )
     mesh = mesh if mesh is not None else _default_mesh(modules, shard)
     _validate_mesh(mesh, modules, offload_policy, shard)
@@ -523,7 +523,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     if type(unit.reshard_after_forward) is int:
         unit.reshard_to = unit.dp_mesh.post_forward_group(unit.reshard_after_forward)
     by_original: dict[int, FSDPParam] = {}
-    for (owner, name, param, fqn, module_index), shard_dim in zip(owned, shard_dims):
+    for (owner, name, param, fqn, module_index), shard_dim in zip(owned, shard_dims, strict=True):
         fsdp_param = getattr(param, _SHARDED_AS, None)
         if fsdp_param is None:
             fsdp_param = by_original.get(id(param))
@@ -542,16 +542,21 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
             m.__dict__["_fsdp_compiled_forward"] = m.__dict__.pop("forward")
         _swap_class(m, is_unit=True)
         m._fsdp_unit = unit
-        for prefix, sub in m.named_modules():
-            if isinstance(sub, FSDPModule) and sub is not m:
-                # Nested units are no longer roots, and are named from this module.
-                if sub._fsdp_unit.name_in_parent is None and sub is sub._fsdp_unit.modules[0]:
-                    sub._fsdp_unit.name_in_parent = prefix  # the first (nearest) unit enclosing it
-                sub._fsdp_unit.is_root = False
-                sub._fsdp_unit.eager = unit.eager  # one eager state per root
-                sub._fsdp_unit.set_module_fqn(sub, prefix)
-                sub._fsdp_unit.refresh_specs()
+        _adopt_nested_units(m, unit)
     return module
+
+
+def _adopt_nested_units(module: nn.Module, unit: FSDPUnit) -> None:
+    """The units already sharded inside ``module`` (now part of ``unit``) are no longer
+    roots: they are named from ``module`` and share ``unit``'s eager state."""
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, FSDPModule) and sub is not module:
+            if sub._fsdp_unit.name_in_parent is None and sub is sub._fsdp_unit.modules[0]:
+                sub._fsdp_unit.name_in_parent = prefix  # the first (nearest) unit enclosing it
+            sub._fsdp_unit.is_root = False
+            sub._fsdp_unit.eager = unit.eager  # one eager state per root
+            sub._fsdp_unit.set_module_fqn(sub, prefix)
+            sub._fsdp_unit.refresh_specs()
 
 
 # --------------------------------------------------------------------- checks
@@ -658,7 +663,7 @@ def _validate_mesh(mesh: DeviceMesh, modules: list[nn.Module], offload_policy, s
     if shard and mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise ValueError(
             f"fully_shard({name}) got a 2-D mesh without mesh_dim_names; for HSDP build it as "
-            "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(\"replicate\", \"shard\"))"
+            'init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))'
         )
     if not shard and mesh.ndim != 1:
         raise ValueError(f"replicate({name}) got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; it needs a 1-D mesh")

@@ -38,7 +38,7 @@ class TensorParallelSpec:
     def shards_on(self, dim: int) -> int:
         """Into how many pieces TP splits dimension ``dim``."""
         n = 1
-        for size, placement in zip(self.mesh.shape, self.placements):
+        for size, placement in zip(self.mesh.shape, self.placements, strict=True):
             if _splits_a_dim(placement) and placement.dim % len(self.shape) == dim:
                 n *= size
         return n

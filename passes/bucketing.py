@@ -200,7 +200,7 @@ def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
         issue = emit(graph, REDUCE_SCATTER, (copy_in, op, ws, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
         offset = 0
-        for m, numel in zip(members, shard_numels):
+        for m, numel in zip(members, shard_numels, strict=True):
             piece = emit(graph, aten.slice.Tensor, (wait, 0, offset, offset + numel), tag=tag)
             offset += numel
             shard = emit(graph, aten.view.default, (piece, list(val(m.wait).shape)), tag=tag)
@@ -221,7 +221,7 @@ def _merge_all_reduce(graph: fx.Graph, bucket: Bucket) -> None:
         issue = emit(graph, ALL_REDUCE, (copy_in, op, group), tag=tag)
         wait = emit(graph, WAIT, (issue,), tag=tag)
         offset = 0
-        for m, numel in zip(members, numels):
+        for m, numel in zip(members, numels, strict=True):
             piece = emit(graph, aten.slice.Tensor, (wait, 0, offset, offset + numel), tag=tag)
             offset += numel
             m.wait.replace_all_uses_with(emit(graph, aten.view.default, (piece, list(val(m.wait).shape)), tag=tag))

@@ -252,7 +252,9 @@ def simulate(graph: fx.Graph, profile: HardwareProfile | str, *, ignore_own_copi
             duration = collective_seconds(node, profile, notes, world_size)
             start = max(t_link, t_compute)
             t_link = start + duration
-            timing = CollectiveTiming(node.name, kind, collective_owner(node), tensor_bytes(node, notes), t_compute, start, t_link)
+            timing = CollectiveTiming(
+                node.name, kind, collective_owner(node), tensor_bytes(node, notes), t_compute, start, t_link
+            )
             sim.collectives.append(timing)
             sim.communication_s += duration
             if len(node.users) == 1 and next(iter(node.users)).target is WAIT:
@@ -310,4 +312,3 @@ def exposure_by_phase(graph: fx.Graph, sim: Simulation) -> ExposureByPhase:
         else:
             middle += c.exposed_s
     return ExposureByPhase(start, middle, end)
-

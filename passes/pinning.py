@@ -23,6 +23,7 @@ Run it last: it wraps nodes, which later structural passes would not expect.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -66,7 +67,7 @@ def schedule_constraints(
     for k in range(len(reduce_scatters) - reduce_scatter_depth):
         add(reduce_scatters[k + reduce_scatter_depth].issue, reduce_scatters[k].wait)
     issues = [n for n in nodes if is_collective_issue(n)]
-    for earlier, later in zip(issues, issues[1:]):
+    for earlier, later in itertools.pairwise(issues):
         add(later, earlier)
     if first is not None and issues:
         add(issues[0], first)  # e.g. the consistency check runs before any collective

@@ -22,7 +22,7 @@ import warnings
 
 import torch.fx as fx
 
-from fsdp_compile import config
+from fsdp_compile import config, debug
 from fsdp_compile._compat import (
     CustomGraphPass,
     current_compile_attempt,
@@ -37,7 +37,6 @@ from fsdp_compile._compat import (
     set_post_grad_custom_post_pass,
     watch_dynamo_frame_compiles,
 )
-from fsdp_compile import debug
 from fsdp_compile.passes.checkpointing import save_random_ops_in_checkpointed_regions
 from fsdp_compile.passes.consistency import insert_consistency_check
 from fsdp_compile.passes.pinning import pin_schedule

@@ -196,7 +196,7 @@ def prefetch_all_gathers(
 
 def bound_reduce_scatters(reduce_scatters: list[Collective], depth: int) -> None:
     """Wait for reduce-scatter ``k`` before reduce-scatter ``k + depth`` is issued."""
-    for c, later in zip(reduce_scatters, reduce_scatters[depth:]):
+    for c, later in zip(reduce_scatters, reduce_scatters[depth:], strict=False):  # each with the one depth later
         tail = tail_of(c)
         if tail[0] > later.issue:
             move_before(tail, later.issue)

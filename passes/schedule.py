@@ -26,9 +26,7 @@ def bucket_cap_bytes(graph: fx.Graph) -> int | None:
     return None
 
 
-def schedule_collectives(
-    graph: fx.Graph, cap_bytes: int | None, after_each: Callable[[str], None] = lambda stage: None
-) -> None:
+def schedule_collectives(graph: fx.Graph, cap_bytes: int | None, after_each: Callable[[str], None] = lambda stage: None) -> None:
     """Bucketing (buckets of at most ``cap_bytes``, ``None``: one per unit) then
     reordering, each if enabled in the config; ``after_each`` is called with
     ``"1_bucketing"`` / ``"2_reordering"`` after each pass that ran."""

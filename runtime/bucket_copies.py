@@ -55,7 +55,7 @@ def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int], cop
     each copy written from the shards (the all-to-all transport sends one to each rank,
     ``fsdp_compile.passes.transport``)."""
     pieces = []
-    for shard, padded in zip(shards, padded_numels):
+    for shard, padded in zip(shards, padded_numels, strict=True):
         pieces.append(shard.reshape(-1))
         if padded > shard.numel():
             pieces.append(shard.new_zeros(padded - shard.numel()))
@@ -79,8 +79,8 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], 
     elements (so rank ``r``'s shards of every member are contiguous): ``torch.chunk``'s
     layout along dim 0 (:class:`~fsdp_compile.runtime.collectives.ShardLayout`'s), so
     one ``chunk_cat`` (FSDP2's copy-in). Members without elements contribute nothing."""
-    members = [grad for grad, padded in zip(grads, padded_numels) if padded]
-    for grad, padded in zip(grads, padded_numels):
+    members = [grad for grad, padded in zip(grads, padded_numels, strict=True) if padded]
+    for grad, padded in zip(grads, padded_numels, strict=True):
         if padded and (grad.dim() == 0 or _chunked_width(grad, world_size) * world_size != padded):
             raise ValueError(
                 f"reduce_scatter_copy_in: a gradient of shape {tuple(grad.shape)} padded to {padded} "
@@ -110,7 +110,9 @@ def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], world_
     elements (the member's padded full tensor, flattened). One read and one write per byte."""
     grid = gathered.view(world_size, -1)
     outs = [gathered.new_empty(world_size * n) for n in padded_numels]
-    torch.split_with_sizes_copy(grid, padded_numels, dim=1, out=[o.view(world_size, n) for o, n in zip(outs, padded_numels)])
+    torch.split_with_sizes_copy(
+        grid, padded_numels, dim=1, out=[o.view(world_size, n) for o, n in zip(outs, padded_numels, strict=True)]
+    )
     return outs
 
 

@@ -128,17 +128,19 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """``all_gather_into_tensor`` of ``shard`` (dim 0 first), issued, not waited on.
 
-    Run eagerly over a gloo group, it goes out as ``all_gather_into_tensor_out`` into a
-    fresh buffer: the same bytes, by ``ProcessGroupGloo::_allgather_base``. The
-    functional op takes gloo's coalesced all-gather, whose worker threads race on the
-    group's status record (``runLoop`` writes the finished work's name, a heap-allocated
-    string for that op, without a lock): with two of them in flight on one group, a
-    process died of heap corruption within a few thousand steps (torch 2.13 and 2.15).
-    Traced code keeps the functional op: Inductor lowers the ``_out`` op as an in-place
-    collective and may reuse its input buffer before the wait. Compiled graphs over gloo
-    send it as an all-to-all instead (``config.gloo_all_to_all``, the default,
-    ``fsdp_compile.passes.transport``); with that off they run gloo's coalesced
-    all-gather (README, Limitations)."""
+    Run eagerly over a gloo group it goes out as ``all_gather_into_tensor_out`` into a
+    fresh buffer (the same bytes); traced code keeps the functional op. See [Note: gloo
+    all-gathers]."""
+    # [Note: gloo all-gathers] The functional op takes gloo's coalesced all-gather, whose
+    # worker threads race on the group's status record (``ProcessGroupGloo::runLoop``
+    # writes the finished work's name, a heap-allocated string for that op, without a
+    # lock): with two in flight on one group (our prefetch) a process died of heap
+    # corruption within a few thousand steps (torch 2.13 and 2.15). The ``_out`` op runs
+    # ``_allgather_base`` instead. Traced code cannot use it: Inductor lowers it as an
+    # in-place collective and may reuse its input buffer before the wait. Compiled graphs
+    # over gloo send it as an all-to-all (``config.gloo_all_to_all``, the default,
+    # ``fsdp_compile.passes.transport``); with that off they run gloo's coalesced
+    # all-gather (README, Limitations).
     # A plain tensor outside Dynamo: not traced (AOTAutograd traces with fake/functional tensors).
     if type(shard) is torch.Tensor and not torch.compiler.is_compiling() and group_backend(group_name) == "gloo":
         out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
@@ -154,7 +156,9 @@ def _all_gather(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
 
 def _reduce_scatter(grad_full: torch.Tensor, layout: ShardLayout, reduce_op: str) -> torch.Tensor:
     padded = _pad_rows(grad_full, layout.padded_dim0) if layout.padded_dim0 != layout.dim0 else grad_full.contiguous()
-    shard = c10d_functional.wait_tensor(c10d_functional.reduce_scatter_tensor(padded, reduce_op, layout.world_size, layout.group_name))
+    shard = c10d_functional.wait_tensor(
+        c10d_functional.reduce_scatter_tensor(padded, reduce_op, layout.world_size, layout.group_name)
+    )
     return shard.narrow(0, 0, layout.local_rows) if layout.local_rows != layout.rows_per_rank else shard
 
 
@@ -298,7 +302,9 @@ _LIBRARY.define(
 )
 
 
-def _gather_with_grad_sync_op(local, pending, accumulator, spec_key: str, partial_pending=None, partial_accumulator=None) -> torch.Tensor:
+def _gather_with_grad_sync_op(
+    local, pending, accumulator, spec_key: str, partial_pending=None, partial_accumulator=None
+) -> torch.Tensor:
     spec = _SPECS_BY_KEY[spec_key]
     with fx_annotate(spec.meta):
         return _GatherWithGradSync.apply(local, pending, accumulator, spec, None, partial_pending, partial_accumulator)

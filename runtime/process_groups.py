@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from datetime import timedelta
 
@@ -44,7 +45,7 @@ def group_label(group_name: str) -> str:
     ranks = group_ranks(group_name)
     if ranks is None or len(ranks) < 2:
         return group_name
-    strides = {b - a for a, b in zip(ranks, ranks[1:])}
+    strides = {b - a for a, b in itertools.pairwise(ranks)}
     return f"{len(ranks)} ranks, stride {strides.pop()}" if len(strides) == 1 else group_name
 
 
@@ -82,7 +83,7 @@ def all_gather_json(value, group=None, device: torch.device | None = None) -> li
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in range(world_size)]
     dist.all_gather(gathered, padded, group=group)
-    return [json.loads(bytes(g[: int(n.item())].tolist()).decode()) for g, n in zip(gathered, sizes)]
+    return [json.loads(bytes(g[: int(n.item())].tolist()).decode()) for g, n in zip(gathered, sizes, strict=True)]
 
 
 def side_group(timeout_s: float):

@@ -59,9 +59,13 @@ class AllGatherInFlight:
         world_size = self.layouts[0].world_size
         padded = [layout.padded_numel for layout in self.layouts]
         # Copy-out: one op fills every member's padded full tensor (rank-major rows).
-        padded_fulls = [gathered.new_empty((world_size * layout.rows_per_rank, *layout.full_shape[1:])) for layout in self.layouts]
-        torch.split_with_sizes_copy(gathered.view(world_size, -1), padded, dim=1, out=[t.view(world_size, -1) for t in padded_fulls])
-        return [full[: layout.dim0] for full, layout in zip(padded_fulls, self.layouts)]
+        padded_fulls = [
+            gathered.new_empty((world_size * layout.rows_per_rank, *layout.full_shape[1:])) for layout in self.layouts
+        ]
+        torch.split_with_sizes_copy(
+            gathered.view(world_size, -1), padded, dim=1, out=[t.view(world_size, -1) for t in padded_fulls]
+        )
+        return [full[: layout.dim0] for full, layout in zip(padded_fulls, self.layouts, strict=True)]
 
 
 def issue_all_gather_bucket(
@@ -96,10 +100,12 @@ class ReduceScatterInFlight:
             offset += width
         for group_name in self.reduce_group_names:
             shards = _all_reduce_bucket(shards, self.reduce_op, group_name)
-        return [s.to(dtype) for s, dtype in zip(shards, self.shard_dtypes)]
+        return [s.to(dtype) for s, dtype in zip(shards, self.shard_dtypes, strict=True)]
 
 
-def issue_reduce_scatter_bucket(grads: list[torch.Tensor], spec: CollectiveSpec, layouts: list[ShardLayout], shard_dtypes: list[torch.dtype]) -> ReduceScatterInFlight:
+def issue_reduce_scatter_bucket(
+    grads: list[torch.Tensor], spec: CollectiveSpec, layouts: list[ShardLayout], shard_dtypes: list[torch.dtype]
+) -> ReduceScatterInFlight:
     """Cast ``grads`` (full gradients of one bucket) to ``spec.reduce_dtype``, pre-scale them,
     copy them into one buffer and issue its reduce-scatter over their shared group, without
     waiting."""
@@ -108,7 +114,9 @@ def issue_reduce_scatter_bucket(grads: list[torch.Tensor], spec: CollectiveSpec,
     if spec.grad_scale is not None:
         grads = [g * spec.grad_scale for g in grads]
     world_size, group_name = layouts[0].world_size, layouts[0].group_name
-    flat = reduce_scatter_copy_in([g.contiguous() for g in grads], [layout.padded_numel * world_size for layout in layouts], world_size)
+    flat = reduce_scatter_copy_in(
+        [g.contiguous() for g in grads], [layout.padded_numel * world_size for layout in layouts], world_size
+    )
     reduced = c10d_functional.reduce_scatter_tensor(flat, spec.reduce_op, world_size, group_name)
     return ReduceScatterInFlight(reduced, list(layouts), spec.reduce_op, tuple(spec.reduce_group_names), list(shard_dtypes))
 
@@ -116,7 +124,7 @@ def issue_reduce_scatter_bucket(grads: list[torch.Tensor], spec: CollectiveSpec,
 def _all_reduce_bucket(shards: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:
     flat = torch.cat([s.reshape(-1) for s in shards])
     flat = c10d_functional.wait_tensor(c10d_functional.all_reduce(flat, reduce_op, group_name))
-    return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in shards]), shards)]
+    return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in shards]), shards, strict=True)]
 
 
 #: The one input that makes a deferred bucket's outputs require grad: its shards go in
@@ -140,7 +148,9 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     when it has room; whoever waits on it then passes the gradients on to those shards)."""
 
     @staticmethod
-    def forward(ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, reduce_unused: bool, *tensors):
+    def forward(
+        ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, reduce_unused: bool, *tensors
+    ):
         shards = tensors[1:] if deliver is not None else tensors
         ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
         ctx.reduce_unused, ctx.device = reduce_unused, shards[0].device
@@ -155,12 +165,13 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
         if ctx.reduce_unused:
             grads = tuple(
                 g if g is not None else torch.zeros(spec.layout.full_shape, dtype=first.param_dtype or dtype, device=ctx.device)
-                for g, spec, dtype in zip(grads, specs, ctx.shard_dtypes)
+                for g, spec, dtype in zip(grads, specs, ctx.shard_dtypes, strict=True)
             )
         members = [i for i, g in enumerate(grads) if g is not None]
         if not members:  # every output reached backward without a gradient: nothing to reduce
             return (None,) * (4 + ctx.n_tensors)
         with fx_annotate(first.reduce_meta):
+
             def issue() -> ReduceScatterInFlight:
                 return issue_reduce_scatter_bucket(
                     [grads[i] for i in members], first, [specs[i].layout for i in members], [ctx.shard_dtypes[i] for i in members]
@@ -169,7 +180,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
             if ctx.deliver is not None:
                 ctx.deliver(issue, members)
                 return (None,) * (4 + ctx.n_tensors)
-            reduced = dict(zip(members, issue().wait()))
+            reduced = dict(zip(members, issue().wait(), strict=True))
             return (None, None, None, None, *(reduced.get(i) for i in range(len(grads))))
 
 

@@ -125,7 +125,9 @@ def tag_of(node: fx.Node) -> CollectiveTag | None:
     if fields is None:
         return None
     reshard_to = fields.get("reshard_to")
-    return CollectiveTag(**{**fields, "role": Role(fields["role"]), "reshard_to": None if reshard_to is None else tuple(reshard_to)})
+    return CollectiveTag(
+        **{**fields, "role": Role(fields["role"]), "reshard_to": None if reshard_to is None else tuple(reshard_to)}
+    )
 
 
 def set_tag(node: fx.Node, tag: CollectiveTag) -> None:
@@ -201,7 +203,7 @@ def collective_kind(node: fx.Node) -> str | None:
 def _schema_args(node: fx.Node) -> dict:
     """The node's arguments by schema name (``group_name``, ``group_size``, ``reduce_op``...)."""
     names = [a.name for a in node.target._schema.arguments]
-    return {**dict(zip(names, node.args)), **node.kwargs}
+    return {**dict(zip(names, node.args, strict=False)), **node.kwargs}  # trailing defaults: fewer args
 
 
 def group_of(node: fx.Node) -> str | None:

@@ -61,7 +61,7 @@ def variable_lengths(kind: str = "ours", backend: str = "aot_eager", per_rank_le
         gaps.append(abs(loss_c.item() - loss_e.item()))
         grads_c = [full_tensor(p.grad) for p in compiled_model.parameters()]
         grads_e = [full_tensor(p.grad) for p in eager_model.parameters()]
-        gaps.append(max((a - b).abs().max().item() for a, b in zip(grads_c, grads_e)))
+        gaps.append(max((a - b).abs().max().item() for a, b in zip(grads_c, grads_e, strict=True)))
         compiled_model.zero_grad()
         eager_model.zero_grad()
         frames_by_step.append(counter.frame_count)

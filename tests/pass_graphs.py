@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fsdp_compile.passes.bucketing import PAD_DIM0
 from fsdp_compile.passes.graph_utils import emit
-from fsdp_compile.runtime.vocabulary import ALL_GATHER, REDUCE_SCATTER, WAIT, aten
 from fsdp_compile.runtime import CollectiveTag, Role, ShardLayout
+from fsdp_compile.runtime.vocabulary import ALL_GATHER, REDUCE_SCATTER, WAIT, aten
 
 DIM, BATCH = 6, 3
 
@@ -76,7 +76,7 @@ def build_unit_graph(
         layouts.append((w, b))
         shards.append((placeholder(f"w{u}", w.local_shape), placeholder(f"b{u}", b.local_shape, bias_dtype)))
     h, outputs = x, []
-    for u, ((w, b), (w_shard, b_shard)) in enumerate(zip(layouts, shards)):
+    for u, ((w, b), (w_shard, b_shard)) in enumerate(zip(layouts, shards, strict=True)):
         unit = f"layers.{u}"
         w_full = unshard(w_shard, w, unit, "weight")
         b_full = unshard(b_shard, b, unit, "bias")
@@ -91,7 +91,7 @@ def build_unit_graph(
             h = emit(graph, aten.constant_pad_nd.default, (h, [0, DIM - h.meta["val"].shape[1]]))
         outputs.append(h)
     # Backward-like tail: a "gradient" per parameter from the activations, then reduce.
-    for u, ((w, b), _) in reversed(list(enumerate(zip(layouts, shards)))):
+    for u, ((w, b), _) in reversed(list(enumerate(zip(layouts, shards, strict=True)))):
         unit = f"layers.{u}"
         act = outputs[u]
         gw = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (act,)), x))  # [DIM, DIM]

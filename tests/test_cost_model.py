@@ -6,8 +6,8 @@ import pytest
 
 from fsdp_compile.passes.bucketing import bucket_collectives
 from fsdp_compile.passes.cost_model import PROFILES, get_profile, simulate
-from fsdp_compile.passes.schedule import choose_bucket_cap
 from fsdp_compile.passes.reordering import reorder_for_overlap
+from fsdp_compile.passes.schedule import choose_bucket_cap
 from tests.pass_graphs import build_unit_graph
 
 

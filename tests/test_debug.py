@@ -10,7 +10,6 @@ import torch.nn as nn
 
 from tests.models import shard_blocks
 
-
 # ---------------------------------------------------------------- on every rank
 
 class RankDependent(nn.Module):

@@ -7,9 +7,9 @@ import torch
 
 from fsdp_compile._compat import c10d_functional
 from fsdp_compile.passes.bucketing import apply_buckets, plan_buckets
-from fsdp_compile.runtime.vocabulary import our_collectives
 from fsdp_compile.passes.cost_model import simulate
 from fsdp_compile.passes.reordering import reorder_for_overlap
+from fsdp_compile.runtime.vocabulary import our_collectives
 from tests import dynamic_jobs
 from tests.models import shard_blocks
 

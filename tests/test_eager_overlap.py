@@ -7,6 +7,7 @@ and none of it changes a bit of the result, ``.grad`` accumulation or parameter 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ from fsdp_compile.testing import full_parameters
 from fsdp_compile.testing.models import Llama, LlamaConfig, MLPStack
 from tests.models import batch, fully_shard_of, llama_units, loss_fn
 from tests.models import build as build_model
-
 
 # ---------------------------------------------------------------- on every rank
 
@@ -421,7 +421,7 @@ def forward_left_without_backward(name: str) -> list:
 
 
 def _assert_bitwise(a: dict, b: dict) -> None:
-    for la, lb in zip(a["losses"], b["losses"]):
+    for la, lb in zip(a["losses"], b["losses"], strict=True):
         assert torch.equal(la, lb), (la, lb)
     assert a["params"].keys() == b["params"].keys()
     for key in a["params"]:
@@ -462,7 +462,7 @@ def test_forward_prefetches_the_next_unit_and_backward_the_previous(pool2, name)
     # returns.
     reduced = [e[1] for e in second if e[0] == "reduce issued"]
     assert reduced[: n_layers] == layers[::-1], second
-    for earlier_in_backward, later_in_backward in zip(reduced, reduced[1:]):
+    for earlier_in_backward, later_in_backward in itertools.pairwise(reduced):
         finished = second.index(("reduce finished", earlier_in_backward))
         assert second.index(("reduce issued", earlier_in_backward)) < finished < second.index(("reduce issued", later_in_backward)), second
         if later_in_backward in layers[regathered.start : regathered.stop]:
@@ -533,7 +533,7 @@ def test_deferred_reductions_accumulate_and_run_hooks_as_autograd_does(pool2, na
         overlapped, waited = rank_result[True], rank_result[False]
         assert [n for n, _ in overlapped["seen"]] == [n for n, _ in waited["seen"]]
         assert len(overlapped["seen"]) == 4 * len(overlapped["params"])  # once per parameter and backward
-        for (n, a), (_, b) in zip(overlapped["seen"], waited["seen"]):
+        for (n, a), (_, b) in zip(overlapped["seen"], waited["seen"], strict=True):
             assert torch.equal(a, b), n
         _assert_bitwise({"losses": [], "params": overlapped["params"]}, {"losses": [], "params": waited["params"]})
 
@@ -556,14 +556,14 @@ def test_compiled_autograd_over_an_eager_forward_needs_the_overlap_off(pool2):
     same arithmetic)."""
     for rank_result in pool2.run(under_compiled_autograd, "mlp"):
         assert "compiled autograd" in rank_result["error"] and "eager_overlap = False" in rank_result["error"], rank_result["error"]
-        for a, b, c in zip(rank_result["compiled"], rank_result["plain"], rank_result["compiled step"]):
+        for a, b, c in zip(rank_result["compiled"], rank_result["plain"], rank_result["compiled step"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
             torch.testing.assert_close(c, b, rtol=0, atol=0)
 
 
 def test_autograd_grad_reaches_sharded_parameters_without_overlap(pool2):
     for rank_result in pool2.run(grad_without_overlap, "llama"):
-        for a, b in zip(rank_result["grad"], rank_result["backward"]):
+        for a, b in zip(rank_result["grad"], rank_result["backward"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

@@ -14,7 +14,6 @@ from fsdp_compile import fully_shard, replicate
 from fsdp_compile.testing import RankFailure
 from tests.models import MLPStack
 
-
 # ---------------------------------------------------------------- on every rank
 
 def shard_rank_dependent_model() -> str:

@@ -13,7 +13,6 @@ from fsdp_compile.testing import full_tensor, global_mean
 from tests.models import batch, build, compile_counting_graphs, fully_shard_of, loss_fn, shard_blocks
 from tests.test_parity import train
 
-
 # ---------------------------------------------------------------- on every rank
 
 def _shard(units, kind: str = "ours") -> None:
@@ -412,7 +411,7 @@ def test_a_forward_without_backward_does_not_change_later_training(pool2, backen
     is dropped unused must not leave one behind that a later backward reads (it served
     the previous step's weight: parameters went wrong from the second step on)."""
     result = pool2.run(forward_without_backward_then_train, backend)[0]
-    for plain, after in zip(result["plain"], result["after_dropped_forward"]):
+    for plain, after in zip(result["plain"], result["after_dropped_forward"], strict=True):
         _equal(after, plain)
 
 

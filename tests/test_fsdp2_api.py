@@ -319,7 +319,7 @@ def test_reduce_scatter_unused_params_trains_ranks_that_use_different_experts(po
     re-gathers the whole unit on both), and training matches FSDP2 with the same setting."""
     expected = pool2.run(train_routed, "fsdp2", "rank1", reshard, True)
     got = pool2.run(train_routed, "ours", "rank1", reshard, True)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert g["no_grad"] == e["no_grad"] == []
         _close(g["params"], e["params"], rtol=1e-6, atol=1e-6)
 
@@ -353,7 +353,7 @@ def test_hsdp_accumulation_without_all_reduce_matches_fsdp2(pool4, backend):
     expected = pool4.run(hsdp_accumulation, "fsdp2", None, "no_all_reduce")[0]
     for mode in ("no_all_reduce", "no_sync"):
         for rank, got in enumerate(pool4.run(hsdp_accumulation, "ours", backend, mode)):
-            for step, (g, e) in enumerate(zip(got["params"], expected["params"])):
+            for step, (g, e) in enumerate(zip(got["params"], expected["params"], strict=True)):
                 _close(g, e, rtol=1e-5, atol=1e-6)
             first, last = got["collectives"][-2], got["collectives"][-1]
             assert "all_reduce" not in first, (mode, rank, first)

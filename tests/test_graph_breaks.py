@@ -15,7 +15,6 @@ import torch.utils.checkpoint
 from fsdp_compile.testing import assert_parity
 from tests.models import shard_blocks
 
-
 # ---------------------------------------------------------------- models (module-level: they run on the ranks)
 
 DIM = 8

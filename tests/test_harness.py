@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from fsdp_compile.testing import ParityError, assert_parity
 from tests.models import MLPStack, shard_blocks
 
-
 # ---------------------------------------------------------------- on every rank (model, data, loss)
 
 def build_mlp():

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from tests.models import batch, build, loss_fn
 from tests.test_parity import OURS, _assert_records_equal, _shard_model, train_all
 
-
 # ---------------------------------------------------------------- on every rank
 
 def _capturing_backend(graphs: list):

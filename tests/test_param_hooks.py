@@ -77,7 +77,7 @@ def train_with_forward_hooks(variant: str, replace_grad: bool = False) -> dict:
 
 
 def _max_gap(a: dict, b: dict) -> float:
-    return max((x - y).abs().max().item() for pa, pb in zip(a["params"], b["params"]) for x, y in zip(pa.values(), pb.values()))
+    return max((x - y).abs().max().item() for pa, pb in zip(a["params"], b["params"], strict=True) for x, y in zip(pa.values(), pb.values(), strict=True))
 
 
 def test_hooks_registered_in_forward_see_a_plain_tensor_and_match_fsdp2(pool2):

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from fsdp_compile.testing import full_parameters, global_mean
 from tests.models import batch, build, compile_counting_graphs, loss_fn
 
-
 # ---------------------------------------------------------------- on every rank
 
 COMPILE_BACKENDS = {"ours-eager": None, "ours-aot_eager": "aot_eager", "ours-inductor": "inductor", "fsdp2": None}
@@ -159,13 +158,13 @@ def _assert_records_equal(a: dict, b: dict, *, exact: bool, rtol=1e-5, atol=1e-6
         lambda x, y, m: torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=m)
     )
     assert len(a["loss"]) == len(b["loss"])
-    for step, (la, lb) in enumerate(zip(a["loss"], b["loss"])):
+    for step, (la, lb) in enumerate(zip(a["loss"], b["loss"], strict=True)):
         check(torch.tensor(la), torch.tensor(lb), lambda m, s=step: f"{what} loss at step {s}: {m}")
-    for step, (pa, pb) in enumerate(zip(a["params"], b["params"])):
+    for step, (pa, pb) in enumerate(zip(a["params"], b["params"], strict=True)):
         assert pa.keys() == pb.keys()
         for fqn in pa:
             check(pa[fqn], pb[fqn], lambda m, s=step, f=fqn: f"{what} parameter {f} after step {s}: {m}")
-    for step, (ba, bb) in enumerate(zip(a["buffers"], b["buffers"])):
+    for step, (ba, bb) in enumerate(zip(a["buffers"], b["buffers"], strict=True)):
         assert ba.keys() == bb.keys()
         for fqn in ba:
             check(ba[fqn], bb[fqn], lambda m, s=step, f=fqn: f"{what} buffer {f} after step {s}: {m}")

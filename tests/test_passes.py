@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.fx as fx
 
@@ -161,7 +163,7 @@ def test_backward_regathers_over_the_smaller_group_from_a_kept_block():
     assert "partitioner_tag" not in kept.meta
     # The forward chain is no longer recomputed (the partitioner saves the block instead).
     assert all("recompute" not in nodes[k].meta for k in ("ag", "wait", "t"))
-    for got, want in zip(_run_with_stand_in_collectives(gm, *inputs), before):
+    for got, want in zip(_run_with_stand_in_collectives(gm, *inputs), before, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -187,9 +189,9 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_compile.passes.bucketing import bucket_collectives, plan_buckets  # noqa: E402
-from fsdp_compile.runtime.vocabulary import our_collectives, positions  # noqa: E402
 from fsdp_compile.passes.pinning import schedule_constraints  # noqa: E402
 from fsdp_compile.passes.reordering import reorder_for_overlap, tail_of  # noqa: E402
+from fsdp_compile.runtime.vocabulary import our_collectives, positions  # noqa: E402
 from tests.pass_graphs import build_unit_graph, node_signature  # noqa: E402
 
 N_UNITS = 3
@@ -204,7 +206,7 @@ def outputs_before_and_after_passes(bias_dtype: torch.dtype = torch.float32) -> 
     gm, shapes = build_unit_graph(world_size, rank, group_name, bias_dtype=bias_dtype)
     gen = torch.Generator().manual_seed(rank)
     dtypes = [n.meta["val"].dtype for n in gm.graph.find_nodes(op="placeholder")]
-    inputs = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+    inputs = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes, strict=True)]
 
     results = {"original": gm(*inputs)}
     bucketed = copy.deepcopy(gm)
@@ -258,7 +260,7 @@ def test_all_gather_copy_out_takes_each_members_column_block():
     gathered = torch.arange(world_size * sum(numels), dtype=torch.float32)
     outs = torch.ops.fsdp_compile.all_gather_copy_out(gathered, numels, world_size)
     grid, offset = gathered.view(world_size, -1), 0
-    for out, numel in zip(outs, numels):
+    for out, numel in zip(outs, numels, strict=True):
         assert out.is_contiguous() and out.shape == (world_size * numel,)
         torch.testing.assert_close(out, grid[:, offset : offset + numel].reshape(-1), rtol=0, atol=0)
         offset += numel
@@ -283,7 +285,7 @@ def test_copy_ins_lay_out_each_ranks_padded_shards(world_size):
         block[: layout.local_rows] = grad[start : start + layout.local_rows]
         return block.reshape(-1)
 
-    expected = torch.cat([padded_shard(g, layout) for r in range(world_size) for g, layout in zip(grads, layouts[r])])
+    expected = torch.cat([padded_shard(g, layout) for r in range(world_size) for g, layout in zip(grads, layouts[r], strict=True)])
     flat = torch.ops.fsdp_compile.reduce_scatter_copy_in(grads, [w * world_size for w in widths], world_size)
     torch.testing.assert_close(flat, expected, rtol=0, atol=0)
     # A member without elements contributes nothing.
@@ -291,9 +293,9 @@ def test_copy_ins_lay_out_each_ranks_padded_shards(world_size):
     torch.testing.assert_close(empty, flat.view(world_size, -1)[:, : widths[0]].reshape(-1), rtol=0, atol=0)
 
     for r in range(world_size):
-        shards = [g[layout.rank * layout.rows_per_rank :][: layout.local_rows] for g, layout in zip(grads, layouts[r])]
+        shards = [g[layout.rank * layout.rows_per_rank :][: layout.local_rows] for g, layout in zip(grads, layouts[r], strict=True)]
         copied = torch.ops.fsdp_compile.all_gather_copy_in(shards, widths)
-        torch.testing.assert_close(copied, torch.cat([padded_shard(g, layout) for g, layout in zip(grads, layouts[r])]), rtol=0, atol=0)
+        torch.testing.assert_close(copied, torch.cat([padded_shard(g, layout) for g, layout in zip(grads, layouts[r], strict=True)]), rtol=0, atol=0)
 
 
 def test_bucketed_all_gather_copies_out_with_one_op():
@@ -407,7 +409,7 @@ def test_pinning_constraints_follow_the_schedule():
         if c.wait in deps:
             assert all(pos[c.issue] < pos[b] for b in deps[c.wait])
     issues = [c.issue for c in sorted(our_collectives(gm.graph), key=lambda c: pos[c.issue])]
-    for earlier, later in zip(issues, issues[1:]):
+    for earlier, later in itertools.pairwise(issues):
         assert earlier in deps[later], "collective issue order is not pinned"
 
 
@@ -416,7 +418,7 @@ def test_passes_keep_results_bitwise_on_two_ranks(pool2, bias_dtype):
     for rank, results in enumerate(pool2.run(outputs_before_and_after_passes, bias_dtype)):
         for stage in ("bucketed", "reordered", "pinned"):
             assert len(results[stage]) == len(results["original"])
-            for i, (a, b) in enumerate(zip(results["original"], results[stage])):
+            for i, (a, b) in enumerate(zip(results["original"], results[stage], strict=True)):
                 torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"rank {rank} {stage} output {i}: {m}")
 
 
@@ -453,7 +455,7 @@ def test_gradient_all_reduces_are_bucketed_per_unit_and_group(fake_pg):
     assert [len(b.members) for b in buckets] == [3]
     assert [collective_kind(n) for n in graph.nodes if collective_kind(n)] == ["all_reduce"]
     after = gm(*inputs)
-    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(before, after))
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def _graph_with_a_foreign_collective_between_two_units():
@@ -575,7 +577,7 @@ def test_gloo_transport_lowers_both_collectives_to_all_to_alls_with_the_same_val
     (summed,) = view.users
     assert summed.target is aten.sum.dim_IntList and tuple(summed.meta["val"].shape) == (2, 3)
     assert all(tag_of(n) is None for n in (gather.input, view, summed))
-    for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before):
+    for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -583,9 +585,9 @@ def _bucketed_gather_graph(extra_reader: bool) -> fx.GraphModule:
     """A post-grad graph with one bucketed all-gather of ours (2 ranks): the copy-in of a
     [2, 4] shard and a 3-element shard padded to 4, the collective, the copy-out; with
     ``extra_reader`` the copy-in is also an output."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     import operator
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT
     from fsdp_compile.passes.graph_utils import emit
@@ -632,7 +634,7 @@ def test_gloo_transport_has_a_bucket_copy_in_write_one_copy_per_rank(extra_reade
         assert tuple(gather.input.meta["val"].shape) == (24,) and gather.issue.args[1:3] == ([12, 12], [12, 12])
         assert tag_of(gather.input) == gather.tag
         assert list(gm.graph.nodes).index(gather.input) == 2  # where the copy-in stood
-    for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before):
+    for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

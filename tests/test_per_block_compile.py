@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_compile import fully_shard
-from fsdp_compile.runtime import Role, tag_of
 from fsdp_compile._compat import c10d_functional
+from fsdp_compile.runtime import Role, tag_of
 from fsdp_compile.runtime.vocabulary import FRAME_UNIT
 from fsdp_compile.testing import GraphCapture, collective_nodes
 from fsdp_compile.testing.models import DecoderLayer, Llama, LlamaConfig, MLPStack
@@ -191,8 +191,8 @@ def train_per_block(variant: str, pattern: str, backend: str, blocks: str) -> di
 
 
 def _max_gap(a: dict, b: dict) -> float:
-    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
-    for pa, pb in zip(a["params"], b["params"]):
+    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)]
+    for pa, pb in zip(a["params"], b["params"], strict=True):
         gaps += [(pa[name] - pb[name]).abs().max().item() for name in pb]
     return max(gaps)
 

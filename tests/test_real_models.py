@@ -22,7 +22,6 @@ import torch.nn.functional as F  # noqa: E402
 from fsdp_compile.testing import assert_parity  # noqa: E402
 from tests.models import shard_blocks  # noqa: E402
 
-
 # ---------------------------------------------------------------- models (module-level: they run on the ranks)
 # Each model is built from a config (no download), seeded, with dropout off so that
 # every variant computes the same function; ``shard_per_block`` applies ``fully_shard``

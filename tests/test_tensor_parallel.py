@@ -135,8 +135,8 @@ def checkpoint_interchange(path: str, writer: str, reader: str) -> float:
 
 
 def _max_gap(a: dict, b: dict) -> float:
-    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
-    for pa, pb in zip(a["params"], b["params"]):
+    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)]
+    for pa, pb in zip(a["params"], b["params"], strict=True):
         assert pa.keys() == pb.keys()
         gaps += [(pa[k] - pb[k]).abs().max().item() for k in pa]
     return max(gaps)

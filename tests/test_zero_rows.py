@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from fsdp_compile.testing import assert_parity
 from tests.models import shard_blocks
 
-
 # ---------------------------------------------------------------- models (module-level: they run on the
 # pool's ranks or in a fake world)
 

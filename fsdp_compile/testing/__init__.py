@@ -12,4 +12,10 @@ __all__ = [
     "global_mean",
     "assert_parity",
     "ParityError",
-    "ParityReport","RankPool", "RankFailure", "GraphCapture", "collective_nodes", "saved_all_gathers"]
+    "ParityReport",
+    "RankPool",
+    "RankFailure",
+    "GraphCapture",
+    "collective_nodes",
+    "saved_all_gathers",
+]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-_ISSUE = re.compile(r"^\s*(buf\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_to_all_single)\.default\(")
+_ISSUE = re.compile(
+    r"^\s*(buf\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|all_to_all_single)\.default\("
+)
 _KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\w+)\)")
 # A buffer's size, from the assert Inductor writes after the op that made it:

@@ -167,9 +167,9 @@ def _run_on_ranks(pool, world_size: int, fn, *args):
 def _compare(variant: str, got: dict, expected: dict, reference: str, report: ParityReport, rtol: float, atol: float) -> None:
     """Record ``variant``'s largest gaps in ``report``; raise at the first loss or parameter
     beyond ``rtol``/``atol``."""
-    report.max_loss_gap[variant] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+    report.max_loss_gap[variant] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True))
     report.max_param_gap[variant] = 0.0
-    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
+    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"], strict=True)):
         if abs(a - b) > atol + rtol * abs(b):
             raise ParityError(f"{variant}: loss at step {step} is {a!r}, {reference} has {b!r} (gap {abs(a - b):.3g})")
         for fqn, ref_value in expected["params"][step].items():

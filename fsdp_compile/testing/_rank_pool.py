@@ -133,16 +133,12 @@ class RankPool:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        for proc in self._procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        self._procs, self._conns = [], []
-        self._remove_stack_files()
+        self._kill(grace_s=5)
 
-    def _kill(self) -> None:
+    def _kill(self, grace_s: float = 0) -> None:
+        """Stop every worker (after ``grace_s`` seconds to exit by itself) and forget it."""
         for proc in self._procs:
+            proc.join(timeout=grace_s)
             if proc.is_alive():
                 proc.kill()
             proc.join()
@@ -239,5 +235,3 @@ class RankPool:
         except OSError as e:
             return f"(no stack: {e})"
         return text or "(no stack written)"
-
-

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 class MLPStack(nn.Module):
@@ -161,4 +161,3 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
-
