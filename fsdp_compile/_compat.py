@@ -71,9 +71,26 @@ def get_post_grad_custom_post_pass():
 
 
 def set_post_grad_custom_post_pass(value) -> None:
+    """Set the post-grad passes, a list; torch before 2.12 (its Inductor takes one pass, no
+    ``get_custom_graph_passes``) gets them as one :class:`_PostGradPasses`."""
     import torch._inductor.config as inductor_config
+    from torch._inductor import custom_graph_pass
 
+    if isinstance(value, list) and not hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        value = _PostGradPasses(value)
     inductor_config.post_grad_custom_post_pass = value
+
+
+class _PostGradPasses(list, CustomGraphPass):
+    """Several post-grad passes as the one pass older Inductors take: runs each in order;
+    its uuid is theirs (so Inductor's cache still tells settings apart)."""
+
+    def __call__(self, graph) -> None:
+        for graph_pass in self:
+            graph_pass(graph)
+
+    def uuid(self):
+        return tuple(p.uuid() if isinstance(p, CustomGraphPass) else repr(p) for p in self)
 
 
 def _mesh_for_cache_key(mesh):
@@ -129,6 +146,35 @@ def make_graph_cache_keys_stable() -> None:
 def local_tensor_of(dtensor) -> torch.Tensor:
     """torch/distributed/tensor/_api.py: a ``DTensor``'s own local tensor (not a view of it)."""
     return dtensor._local_tensor
+
+
+class _AliasOfLocalTensor(torch.autograd.Function):
+    """``DTensor.to_local()`` without the view: the local tensor's ``detach()``, which shares
+    its storage and version counter but carries no autograd view metadata, so in-place
+    writes to the parameter (optimizer steps) never make autograd regenerate its
+    ``grad_fn`` (torch 2.11 refuses to for a view made in a custom Function: "Output 0 of
+    _ToTorchTensorBackward is a view and its base ... has been modified inplace").
+    Backward: the gradient as a ``DTensor`` of the parameter's placements, as ``to_local``'s."""
+
+    @staticmethod
+    def forward(ctx, dtensor):
+        ctx.spec = dtensor._spec
+        return dtensor._local_tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        spec = ctx.spec
+        return DTensor.from_local(
+            grad, spec.mesh, spec.placements, run_check=False, shape=spec.tensor_meta.shape, stride=spec.tensor_meta.stride
+        )
+
+
+def alias_of_local_tensor(dtensor) -> torch.Tensor:
+    """A plain tensor over ``dtensor``'s local storage whose gradient flows back to
+    ``dtensor`` (see :class:`_AliasOfLocalTensor`)."""
+    return _AliasOfLocalTensor.apply(dtensor)
 
 
 def mark_as_parameter_input(t: torch.Tensor) -> None:
@@ -525,6 +571,7 @@ def inductor_comm_overlap_flags() -> dict[str, bool]:
 
 __all__ = [
     "local_tensor_of",
+    "alias_of_local_tensor",
     "mark_as_parameter_input",
     "c10d_functional",
     "compile_in_this_process",

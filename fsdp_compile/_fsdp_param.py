@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile._compat import fx_annotate, local_tensor_of, mark_as_parameter_input
+from fsdp_compile._compat import alias_of_local_tensor, fx_annotate, local_tensor_of, mark_as_parameter_input
 from fsdp_compile._eager_reduce import defers_reduction
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._mixed_precision import param_dtype_for
@@ -247,24 +247,26 @@ class FSDPParam:
         with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)):
             return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
-    # [Note: plain graph inputs] What a traced gather reads: ``sharded_param.to_local()``,
-    # made once and kept, a plain tensor whose autograd edge (DTensor's ``to_local``
-    # backward) leads to the sharded parameter. It is a view of the DTensor's local
-    # tensor, so optimizer steps and checkpoint loads, which write that in place, show
-    # through it; the edge keeps nothing for backward, so every step's backward runs
-    # through it again. Read from here, the sharded ``DTensor`` is no input of a
-    # compiled graph: its inputs are plain tensors, and AOTAutograd needs no subclass
-    # handling for them (with a ``DTensor`` input it cannot compile a graph fragment
-    # that returns two views of one intermediate, as a graph break after
-    # ``tensor.unbind()`` / ``split()`` does: LLaVA's image features). The gradient
-    # reaches the parameter's ``.grad`` through autograd's own accumulation and
-    # hooks, as before (once the compiled backward returns it: that edge is older
-    # than any node of the step, so autograd runs it after the step's other ready nodes).
+    # [Note: plain graph inputs] What a traced gather reads: an alias of the sharded
+    # parameter's local tensor, made once and kept (``_compat.alias_of_local_tensor``: its
+    # ``detach()``, with an autograd edge that wraps the gradient as the parameter's
+    # ``DTensor`` gradient, as ``to_local()``'s does). It shares the local tensor's storage,
+    # so optimizer steps and checkpoint loads, which write that in place, show through it;
+    # it is no autograd view (``to_local()``'s is, and torch 2.11 refuses a view made in a
+    # custom Function once its base was written in place); its edge keeps nothing for
+    # backward, so every step's backward runs through it again. Read from here, the
+    # sharded ``DTensor`` is no input of a compiled graph: its inputs are plain tensors,
+    # and AOTAutograd needs no subclass handling for them (with a ``DTensor`` input it
+    # cannot compile a graph fragment that returns two views of one intermediate, as a
+    # graph break after ``list(t)`` / ``unbind()`` does: LLaVA's image features). The
+    # gradient reaches the parameter's ``.grad`` through autograd's own accumulation and
+    # hooks, as before (once the compiled backward returns it: that edge is older than
+    # any node of the step, so autograd runs it after the step's other ready nodes).
     def refresh_local_view(self) -> None:
-        """Make :attr:`local_view` the current local tensor of :attr:`sharded_param`
+        """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
         with torch.enable_grad():  # its autograd edge to the sharded parameter is the point
-            self.local_view = self.sharded_param.to_local()
+            self.local_view = alias_of_local_tensor(self.sharded_param)
         mark_as_parameter_input(self.local_view)
 
     def _local_shard(self, sharded_param: nn.Parameter) -> torch.Tensor:
@@ -275,8 +277,9 @@ class FSDPParam:
         if torch.compiler.is_compiling():
             view = self.local_view
             return view if view.requires_grad == sharded_param.requires_grad else sharded_param.to_local()
-        if self.local_view._base is not local_tensor_of(sharded_param):
-            self.refresh_local_view()  # replaced since (a compiled step would read a stale view)
+        local = local_tensor_of(sharded_param)
+        if self.local_view.data_ptr() != local.data_ptr() or self.local_view.shape != local.shape:
+            self.refresh_local_view()  # replaced since (a compiled step would read a stale alias)
         return sharded_param.to_local()
 
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:

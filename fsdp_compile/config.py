@@ -32,6 +32,9 @@ bucketing: bool = True
 #: ``"unit"``: one all-gather and one reduce-scatter per unit and dtype (FSDP2's
 #: behaviour); ``"cap"``: split a unit's bucket at ``bucket_cap_mb``;
 #: ``"auto"``: let the cost model choose the number of buckets per unit.
+#: Compiled graphs only: eager code always buckets per unit (and group and dtypes), as
+#: FSDP2 does, whatever ``bucket_mode`` and ``bucket_cap_mb`` say (tested:
+#: ``tests/test_parity.py::test_eager_issues_one_collective_per_unit_like_fsdp2``).
 bucket_mode: str = "unit"
 
 #: Upper bound on one bucket, in MiB of one rank's shard (``bucket_mode="cap"``).

@@ -220,10 +220,12 @@ def test_one_graph_no_recompiles(results, variant):
     assert results[variant]["frames"] == (2 if with_eval else 1)
 
 
-def eager_collectives_per_step(name: str) -> dict:
+def eager_collectives_per_step(name: str, **config_changes) -> dict:
     """Functional collectives one eager step of ours issues: all-gathers in forward and
-    in backward, reduce-scatters in backward."""
+    in backward, reduce-scatters in backward (under ``config.patch(**config_changes)``)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_compile import config
 
     model, units = build(name)
     # Units owning parameters of their own (a root may own none: the MLP's).
@@ -239,9 +241,9 @@ def eager_collectives_per_step(name: str) -> dict:
     def all_gathers(prof) -> int:  # over gloo, into new buffers (``runtime.collectives.issue_all_gather``)
         return count(prof, "all_gather_into_tensor") + count(prof, "all_gather_into_tensor_out")
 
-    with profile(activities=[ProfilerActivity.CPU]) as fwd:
+    with config.patch(**config_changes), profile(activities=[ProfilerActivity.CPU]) as fwd:
         loss = loss_fn(name, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
-    with profile(activities=[ProfilerActivity.CPU]) as bwd:
+    with config.patch(**config_changes), profile(activities=[ProfilerActivity.CPU]) as bwd:
         loss.backward()
     return {
         "units": owning,
@@ -255,9 +257,11 @@ def eager_collectives_per_step(name: str) -> dict:
 def test_eager_issues_one_collective_per_unit_like_fsdp2(pool2, name):
     """Eager runs bucket as FSDP2 does: one all-gather per unit (that owns parameters) in
     forward, one re-gather per resharded unit (all but the root) in backward, one
-    reduce-scatter per unit; not one per parameter."""
-    for counts in pool2.run(eager_collectives_per_step, name):
-        units = counts["units"]
-        assert counts["forward_all_gathers"] == units, counts
-        assert counts["backward_all_gathers"] == units - 1, counts
-        assert counts["reduce_scatters"] == units, counts
+    reduce-scatter per unit; not one per parameter. The compiled-graph bucket options do
+    not change that (a cap smaller than any parameter)."""
+    for changes in ({}, {"bucket_mode": "cap", "bucket_cap_mb": 1e-6}):
+        for counts in pool2.run(eager_collectives_per_step, name, **changes):
+            units = counts["units"]
+            assert counts["forward_all_gathers"] == units, (changes, counts)
+            assert counts["backward_all_gathers"] == units - 1, (changes, counts)
+            assert counts["reduce_scatters"] == units, (changes, counts)

@@ -46,6 +46,31 @@ def test_class_swap_and_return_value(fake_pg):
     assert type(model.layers[0]).__name__ == "FSDPLinear"
 
 
+def test_gathers_read_a_plain_alias_of_the_shard(fake_pg):
+    """What traced gathers read (``FSDPParam.local_view``): a plain tensor, no autograd view
+    (torch 2.11 refuses to run backward through a custom Function's view once its base was
+    written in place), over the shard's storage (optimizer steps show through), whose
+    gradient lands in the sharded parameter's ``DTensor`` ``.grad`` step after step;
+    ``to_empty`` gives it the new storage."""
+    with torch.device("meta"):
+        model = MLPStack(dim=16, n_layers=2)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    fsdp_param = model._fsdp_unit.params[0]
+    param = fsdp_param.sharded_param
+    with torch.no_grad():
+        param.fill_(1.0)
+    opt = torch.optim.AdamW([param], lr=0.1)
+    for step in range(3):
+        view = fsdp_param.local_view
+        assert type(view) is torch.Tensor and not view._is_view() and view.requires_grad
+        assert view.data_ptr() == param.to_local().data_ptr() and torch.equal(view, param.to_local())
+        (view * (step + 1)).sum().backward()
+        assert isinstance(param.grad, DTensor) and torch.equal(param.grad.to_local(), torch.full_like(view, step + 1.0))
+        opt.step()  # in place, through the DTensor
+        opt.zero_grad()
+
+
 def test_list_of_modules_is_one_unit(fake_pg):
     model = MLPStack(dim=16, n_layers=3)
     fully_shard([model.layers[0], model.layers[1]])
