@@ -33,6 +33,7 @@ from fsdp_compile._compat import (
     never_a_frame_of_its_own,
     units_entered_in_this_trace,
 )
+from fsdp_compile._fsdp2_tuning import FSDP2TuningMethods
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import (
     EAGER_FRAME,
@@ -54,7 +55,7 @@ from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_jso
 _SHARDED_AS = "_fsdp_compile_sharded_as"
 
 
-class FSDPModule:
+class FSDPModule(FSDP2TuningMethods):
     """Mixin of every module passed to :func:`fully_shard` (class ``FSDP<Orig>``).
 
     ``isinstance(m, FSDPModule)`` tells sharded units apart, as with FSDP2.
@@ -268,90 +269,6 @@ class FSDPModule:
                     if fsdp_param.reduce_group_names:
                         fsdp_param.prepare_partial_reduction()
 
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility; changes nothing. FSDP2 uses it to skip waiting on
-        gradient reductions at the end of a backward that is not the last of a step
-        (pipelining); here every backward finishes its reductions (compiled: inside its
-        graph; eager: when it ends), so gradients are complete after each one."""
-
-    def set_post_optim_event(self, event) -> None:
-        """Accepted for FSDP2 compatibility; changes nothing. FSDP2 makes its all-gather
-        stream wait on ``event``; here all-gathers run in program order after the
-        optimizer step (compiled graphs and eager code alike use no side streams)."""
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility; changes nothing: backward re-gathers only the
-        parameters its computation reads (compiled: what the backward graph uses; eager:
-        the weights autograd saved), so a unit whose backward needs none (an embedding)
-        re-gathers nothing either way."""
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted for FSDP2 compatibility; changes nothing: collective buffers come from
-        the ordinary allocator (compiled: planned by Inductor)."""
-
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Accepted for FSDP2 compatibility (``max_input_buffers >= 1``); changes nothing here:
-        how many reduce-scatters are in flight is ``fsdp_compile.config.reduce_scatter_depth``."""
-        if max_input_buffers < 1:
-            raise ValueError(f"set_reduce_scatter_max_input_buffers({max_input_buffers}): must be >= 1")
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for FSDP2 compatibility; changes no value: FSDP2 uses it to keep NCCL
-        on sum reductions (zero-copy transfers, no ``PREMUL_SUM``); here a divide factor
-        (:meth:`set_gradient_divide_factor`) is already a pre-scale and a sum, and the
-        default average is the group's own ``avg``."""
-
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Accepted for FSDP2 compatibility; changes nothing: reduce-scatters and all-gathers
-        share the data-parallel group, and the compiled schedule orders them."""
-
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Accepted for FSDP2 compatibility; changes nothing (NCCL symmetric-memory buffers
-        are not used: collective buffers come from the ordinary allocator)."""
-
-    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """Accepted for FSDP2 compatibility (torch 2.15); changes nothing: gathered
-        parameters are fresh tensors each step (compiled: buffers planned by Inductor),
-        freed when resharded."""
-
-    def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """Accepted for FSDP2 compatibility (torch 2.15) on the root unit: every backward
-        here finishes its own gradient reductions, so there is nothing left for
-        :meth:`finalize_backward` to do."""
-        if not self._fsdp_unit.is_root:
-            raise RuntimeError(
-                f"set_manual_backward_finalization: call it on the root sharded module, not on {type(self).__name__}"
-            )
-
-    def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
-        """FSDP2's (torch 2.15): finish the backward's gradient reductions. Each backward
-        has already finished its own; returns a handle whose ``wait()`` returns at once
-        when ``async_op``."""
-        return GradientReductionHandle() if async_op else None
-
-    def set_custom_all_gather(self, comm) -> None:
-        """Not supported: our all-gathers are functional collectives that the compiled graph
-        buckets and schedules; a custom one could not be traced."""
-        raise NotImplementedError(
-            f"set_custom_all_gather on {type(self).__name__}: custom all-gather implementations are not "
-            "supported by fsdp_compile (its all-gathers are traced functional collectives)"
-        )
-
-    def set_custom_reduce_scatter(self, comm) -> None:
-        """Not supported (see :meth:`set_custom_all_gather`)."""
-        raise NotImplementedError(
-            f"set_custom_reduce_scatter on {type(self).__name__}: custom reduce-scatter implementations are "
-            "not supported by fsdp_compile (its reduce-scatters are traced functional collectives)"
-        )
-
-    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
-        """Not supported: use an HSDP mesh for a replicate dimension, or tensor parallelism's
-        gradient hooks on the parameters."""
-        raise NotImplementedError(
-            f"set_all_reduce_hook on {type(self).__name__}: all-reduce hooks are not supported by "
-            "fsdp_compile; for a replicate dimension pass a 2-D (replicate, shard) mesh to fully_shard"
-        )
-
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward: wait on and drop whatever it
         left in flight (eager reduce-scatters, prefetched all-gathers and re-gathers), as
@@ -365,13 +282,6 @@ class FSDPModule:
 
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``; the gather has already completed."""
-
-    def wait(self) -> None:
-        return None
-
-
-class GradientReductionHandle:
-    """Returned by ``finalize_backward(async_op=True)``; the reductions have already completed."""
 
     def wait(self) -> None:
         return None
