@@ -33,22 +33,23 @@ import torch
 
 from fsdp_compile import config
 from fsdp_compile._compat import outside_dispatch_modes, running_backward_id, saved_tensors_hooks_active
-from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
-from fsdp_compile._fsdp_param import (
-    FSDPParam,
-    ParamState,
+from fsdp_compile._eager_buckets import (
+    bucket_key,
     gather_bucket,
     gather_bucket_without_autograd,
     issue_bucket_gather,
+    regather_key,
     shard_versions,
 )
+from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
+from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile.runtime.vocabulary import Role
 
 if TYPE_CHECKING:
+    from fsdp_compile._eager_collectives import AllGatherInFlight
     from fsdp_compile._fsdp_state import FSDPUnit
-    from fsdp_compile.runtime.unit_collectives import AllGatherInFlight
 
 
 @torch.compiler.disable
@@ -98,7 +99,7 @@ cast_output_outside_dynamo = torch.compiler.disable(cast_output)
 
 def gather_unit(unit: FSDPUnit) -> None:
     """Gather every parameter of the unit, as FSDP2 does: one all-gather per bucket of
-    parameters that can share one (:meth:`FSDPParam.bucket_key`; most units: one),
+    parameters that can share one (:func:`~fsdp_compile._eager_buckets.bucket_key`; most units: one),
     and one reduce-scatter per bucket in the backward. Reads inside the forward then
     hit the cache, so an activation-checkpointed region saves and recomputes the same ops."""
     to_gather = _to_gather(unit)
@@ -107,7 +108,7 @@ def gather_unit(unit: FSDPUnit) -> None:
         # only in its own autograd graph (a forward never followed by a backward leaves one
         # that was never unpacked; reusing it would serve a later backward its stale weight).
         unit.eager.open_slots.pop(fsdp_param, None)
-    for key, bucket in _buckets(to_gather, FSDPParam.bucket_key):
+    for key, bucket in _buckets(to_gather, bucket_key):
         prefetched = unit.eager.forward_prefetch.take(bucket) if key is not None else None
         if prefetched is not None or (key is not None and len(bucket) > 1):
             gather_bucket(bucket, prefetched)
@@ -124,7 +125,7 @@ def _to_gather(unit: FSDPUnit) -> list[FSDPParam]:
 
 def _prefetchable_buckets(unit: FSDPUnit) -> list[list[FSDPParam]]:
     """The buckets of ``unit`` that can be gathered with one all-gather each, now."""
-    return [bucket for key, bucket in _buckets(_to_gather(unit), FSDPParam.bucket_key) if key is not None]
+    return [bucket for key, bucket in _buckets(_to_gather(unit), bucket_key) if key is not None]
 
 
 @dataclass(eq=False)
@@ -320,12 +321,12 @@ def _needs_regather(slot: RegatherSlot) -> bool:
 
 def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
     """The slots one all-gather fills with ``slot``: one per parameter of its unit that
-    shares its :meth:`FSDPParam.regather_key`, in the unit's order, whether or not this
+    shares its :func:`~fsdp_compile._eager_buckets.regather_key`, in the unit's order, whether or not this
     rank saved it (FSDP2's pre-backward gathers the whole unit). The collective is then
     the same on every rank even where ranks used different parameters of the unit
     (experts run only on the tokens routed to them, a branch on the data); a parameter
     without an open slot to fill gets a throwaway one."""
-    key = slot.fsdp_param.regather_key()
+    key = regather_key(slot.fsdp_param)
     if key is None:
         return [slot]
     unit_slots = slot.fsdp_param.unit.eager.open_slots
@@ -333,7 +334,7 @@ def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
     for fsdp_param in slot.fsdp_param.unit.params:
         if fsdp_param is slot.fsdp_param:
             bucket.append(slot)
-        elif fsdp_param.owner is not None and fsdp_param.regather_key() == key:
+        elif fsdp_param.owner is not None and regather_key(fsdp_param) == key:
             other = unit_slots.get(fsdp_param)
             useful = other is not None and _needs_regather(other)
             bucket.append(other if useful else RegatherSlot(fsdp_param, forward=slot.forward))
@@ -368,7 +369,7 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
     if not targets or not call_at_end_of_backward(unit.eager.drop_regathers_in_flight):
         return
     for first in targets:
-        if _needs_regather(first) and first.fsdp_param.regather_key() is not None:
+        if _needs_regather(first) and regather_key(first.fsdp_param) is not None:
             _RegatherInFlight.issue(_regather_bucket(first))
 
 

@@ -26,7 +26,7 @@ import torch
 
 from fsdp_compile import config
 from fsdp_compile._compat import in_compiled_autograd, queue_end_of_backward_callback, running_backward_id
-from fsdp_compile.runtime.unit_collectives import ReduceScatterInFlight
+from fsdp_compile._eager_collectives import ReduceScatterInFlight
 
 
 def defers_reduction(shards: list[torch.Tensor]) -> bool:

@@ -22,7 +22,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile._compat import alias_of_local_tensor, fx_annotate, local_tensor_of, mark_as_parameter_input
-from fsdp_compile._eager_reduce import defers_reduction
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
@@ -33,12 +32,6 @@ from fsdp_compile.runtime.collectives import (
     gather_post_forward_shard,
     gather_with_grad_sync,
     post_forward_shard,
-)
-from fsdp_compile.runtime.unit_collectives import (
-    AllGatherInFlight,
-    bucket_key,
-    gather_bucket_with_grad_sync,
-    issue_all_gather_bucket,
 )
 from fsdp_compile.runtime.vocabulary import FRAME_UNIT, CollectiveTag, Role
 
@@ -199,20 +192,6 @@ class FSDPParam:
         full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator, key=key)
         return self._note_gathered(full)
 
-    def bucket_key(self) -> tuple | None:
-        """What eager code buckets this parameter's collectives by with others of its
-        unit (:func:`gather_bucket`), or ``None`` if it gathers on its own: replicated,
-        gradient sync off or an accumulated gradient pending, or still gathered."""
-        if self.kept is not None or not self.unit.requires_gradient_sync:
-            return None
-        if self._grad_accumulator is not None and self._grad_accumulator.grad is not None:
-            return None
-        if self._partial_accumulator is not None and (
-            not self.unit.requires_all_reduce or self._partial_accumulator.grad is not None
-        ):
-            return None
-        return bucket_key(self.spec, self.sharded_param)
-
     def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
         self.kept = None if self.unit.reshard_after_backward else full.detach()
@@ -227,10 +206,6 @@ class FSDPParam:
         spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
         with torch.no_grad():
             return self._for_compute(gather_with_grad_sync(self._gather_input(self.sharded_param), spec))
-
-    def regather_key(self) -> tuple | None:
-        """What eager backward buckets this parameter's re-gather by (see :meth:`bucket_key`)."""
-        return bucket_key(self.spec, self.sharded_param)
 
     def post_forward_shard(self) -> torch.Tensor:
         """This rank's block of the gathered tensor kept after forward when the unit
@@ -381,56 +356,3 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
-
-
-def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None) -> None:
-    """Gather ``fsdp_params`` (sharded, of one :meth:`FSDPParam.bucket_key`) with one
-    all-gather, with autograd (one reduce-scatter in the backward, waited on one unit
-    later: see ``fsdp_compile._eager_reduce``): eager code's :meth:`FSDPParam.gather`
-    for a bucket. ``in_flight``: their all-gather, issued ahead by
-    :func:`issue_bucket_gather` (a prefetch) from unchanged shards."""
-    first = fsdp_params[0]
-    if forward_context.in_broken_graph():
-        warn_gathered_in_broken_graph(first)
-    shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
-    specs = [p.spec for p in fsdp_params]
-    with fx_annotate(first.spec.tag.as_meta()):
-        if defers_reduction(shards):
-            deliver = first.unit.eager.reductions.deliverer(shards)
-            fulls = gather_bucket_with_grad_sync(
-                [s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params
-            )
-        else:
-            fulls = gather_bucket_with_grad_sync(shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params)
-    for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
-        fsdp_param._note_gathered(full)
-
-
-def issue_bucket_gather(fsdp_params: list[FSDPParam], role: Role = Role.UNSHARD) -> AllGatherInFlight:
-    """Issue the all-gather of ``fsdp_params`` (sharded, of one bucket key) without
-    waiting for it: eager prefetch, for :func:`gather_bucket` (``Role.UNSHARD``) or
-    :func:`gather_bucket_without_autograd` (``Role.REGATHER``) to wait on later."""
-    first = fsdp_params[0]
-    with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(role)):
-        shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
-        return issue_all_gather_bucket(shards, [p.layout for p in fsdp_params], first.spec.param_dtype)
-
-
-def shard_versions(fsdp_params: list[FSDPParam]) -> tuple[int, ...]:
-    """Version counters of the parameters' shards: an in-place update through the
-    parameter (the optimizer) or through its local tensor changes one of them, which
-    makes an all-gather issued before it stale."""
-    with torch.no_grad():
-        return tuple(v for p in fsdp_params for v in (p.sharded_param._version, p.sharded_param.to_local()._version))
-
-
-def gather_bucket_without_autograd(
-    fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None
-) -> list[torch.Tensor]:
-    """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :meth:`FSDPParam.regather_key`;
-    ``in_flight``: its all-gather, issued ahead by :func:`issue_bucket_gather`."""
-    if in_flight is None:
-        in_flight = issue_bucket_gather(fsdp_params, Role.REGATHER)
-    with torch.no_grad():
-        fulls = in_flight.wait()
-    return [p._for_compute(full) for p, full in zip(fsdp_params, fulls, strict=True)]

@@ -1,6 +1,7 @@
 """Bucketed collectives for eager runs: one all-gather and one reduce-scatter per bucket.
 
-A compiled step gets its buckets from :mod:`fsdp_compile.passes.bucketing`.
+A compiled step gets its buckets from :mod:`fsdp_compile.passes.bucketing`; the
+parameter-level buckets are :mod:`fsdp_compile._eager_buckets`.
 Eager code gathers a whole unit when its forward starts (FSDP2's pre-forward),
 so it can bucket up front, as FSDP2 does: the unit's shards are copied into one
 buffer (``all_gather_copy_in``), all-gathered once, and copied out into one full

@@ -1,0 +1,99 @@
+"""Eager buckets of :class:`~fsdp_compile.FSDPParam`\ s: what a unit's parameters share to
+go out in one collective, and the bucketed gathers of eager code (FSDP2's pre-forward
+all-gather of a unit, its pre-backward re-gather, their prefetches), on top of
+:mod:`fsdp_compile._eager_collectives`. Compiled steps bucket in
+:mod:`fsdp_compile.passes.bucketing` instead; ``FSDPParam`` itself only knows how to
+gather one parameter."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fsdp_compile._compat import fx_annotate
+from fsdp_compile._eager_collectives import (
+    AllGatherInFlight,
+    gather_bucket_with_grad_sync,
+    issue_all_gather_bucket,
+)
+from fsdp_compile._eager_collectives import bucket_key as _collective_bucket_key
+from fsdp_compile._eager_reduce import defers_reduction
+from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
+from fsdp_compile.runtime.vocabulary import Role
+
+if TYPE_CHECKING:
+    from fsdp_compile._fsdp_param import FSDPParam
+
+
+def bucket_key(fsdp_param: FSDPParam) -> tuple | None:
+    """What eager code buckets the parameter's collectives by with others of its unit
+    (:func:`gather_bucket`), or ``None`` if it gathers on its own: replicated, gradient
+    sync off or an accumulated gradient pending, or still gathered."""
+    unit = fsdp_param.unit
+    if fsdp_param.kept is not None or not unit.requires_gradient_sync:
+        return None
+    accumulator, partial = fsdp_param._grad_accumulator, fsdp_param._partial_accumulator
+    if accumulator is not None and accumulator.grad is not None:
+        return None
+    if partial is not None and (not unit.requires_all_reduce or partial.grad is not None):
+        return None
+    return regather_key(fsdp_param)
+
+
+def regather_key(fsdp_param: FSDPParam) -> tuple | None:
+    """What eager backward buckets the parameter's re-gather by (see :func:`bucket_key`)."""
+    return _collective_bucket_key(fsdp_param.spec, fsdp_param.sharded_param)
+
+
+def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None) -> None:
+    """Gather ``fsdp_params`` (sharded, of one :func:`bucket_key`) with one
+    all-gather, with autograd (one reduce-scatter in the backward, waited on one unit
+    later: see ``fsdp_compile._eager_reduce``): eager code's :meth:`FSDPParam.gather`
+    for a bucket. ``in_flight``: their all-gather, issued ahead by
+    :func:`issue_bucket_gather` (a prefetch) from unchanged shards."""
+    first = fsdp_params[0]
+    if forward_context.in_broken_graph():
+        warn_gathered_in_broken_graph(first)
+    shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
+    specs = [p.spec for p in fsdp_params]
+    with fx_annotate(first.spec.tag.as_meta()):
+        if defers_reduction(shards):
+            deliver = first.unit.eager.reductions.deliverer(shards)
+            fulls = gather_bucket_with_grad_sync(
+                [s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params
+            )
+        else:
+            fulls = gather_bucket_with_grad_sync(shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params)
+    for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
+        fsdp_param._note_gathered(full)
+
+
+def issue_bucket_gather(fsdp_params: list[FSDPParam], role: Role = Role.UNSHARD) -> AllGatherInFlight:
+    """Issue the all-gather of ``fsdp_params`` (sharded, of one bucket key) without
+    waiting for it: eager prefetch, for :func:`gather_bucket` (``Role.UNSHARD``) or
+    :func:`gather_bucket_without_autograd` (``Role.REGATHER``) to wait on later."""
+    first = fsdp_params[0]
+    with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(role)):
+        shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
+        return issue_all_gather_bucket(shards, [p.layout for p in fsdp_params], first.spec.param_dtype)
+
+
+def shard_versions(fsdp_params: list[FSDPParam]) -> tuple[int, ...]:
+    """Version counters of the parameters' shards: an in-place update through the
+    parameter (the optimizer) or through its local tensor changes one of them, which
+    makes an all-gather issued before it stale."""
+    with torch.no_grad():
+        return tuple(v for p in fsdp_params for v in (p.sharded_param._version, p.sharded_param.to_local()._version))
+
+
+def gather_bucket_without_autograd(
+    fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None
+) -> list[torch.Tensor]:
+    """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :func:`regather_key`;
+    ``in_flight``: its all-gather, issued ahead by :func:`issue_bucket_gather`."""
+    if in_flight is None:
+        in_flight = issue_bucket_gather(fsdp_params, Role.REGATHER)
+    with torch.no_grad():
+        fulls = in_flight.wait()
+    return [p._for_compute(full) for p, full in zip(fsdp_params, fulls, strict=True)]
