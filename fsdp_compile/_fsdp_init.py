@@ -1,0 +1,241 @@
+"""What ``fully_shard`` checks and collects before it shards anything (FSDP2's
+``_fsdp_init.py``): the modules, the options, the mesh, the parameters each unit owns
+(shared and tied ones included), and that every rank passed the same. Everything here
+runs before the first collective of a ``fully_shard`` call, so bad input raises an
+error naming the module or parameter on every rank, never a hang."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_compile._compat import flat_group_of
+from fsdp_compile._fsdp_param import FSDPParam
+from fsdp_compile._fsdp_state import FSDPUnit, compute_device
+from fsdp_compile._tensor_parallel import check_tensor_parallel_param
+from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
+
+# Set on an original (unsharded) nn.Parameter once it is sharded, so that a
+# module still holding the original object (a tied weight in another unit)
+# finds the FSDPParam that replaced it.
+_SHARDED_AS = "_fsdp_compile_sharded_as"
+
+
+def _is_sharded_module(module: nn.Module) -> bool:
+    from fsdp_compile._fully_shard import FSDPModule  # (it imports this module)
+
+    return isinstance(module, FSDPModule)
+
+
+def _as_module_list(module) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module (or a list of them), got {type(m).__name__}")
+    return modules
+
+
+def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"reshard_after_forward={reshard_after_forward!r}: use True (free after forward, gather again "
+            "in backward), False (keep gathered until backward), None (True except for the root) or an "
+            "int (keep a shard over groups of that many ranks, gather over them in backward)"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be a callable (parameter -> Shard | None), got {shard_placement_fn!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}")
+
+
+def _resolve_reshard_size(reshard_after_forward, dp_mesh: DataParallelMesh, owned, unit_name: str):
+    """``reshard_after_forward`` as the unit keeps it: an int is checked and, as in FSDP2,
+    1 means ``False`` and the shard group's size means ``True``."""
+    if type(reshard_after_forward) is not int:
+        return reshard_after_forward
+    size = dp_mesh.shard_world_size
+    if not 1 <= reshard_after_forward <= size or size % reshard_after_forward:
+        raise ValueError(
+            f"fully_shard({unit_name}): reshard_after_forward={reshard_after_forward} must divide the shard "
+            f"group's size ({size}): the ranks are split into groups of that many to keep a shard over "
+            "after forward (e.g. the ranks of one node)"
+        )
+    if reshard_after_forward == 1:
+        warnings.warn(
+            f"fully_shard({unit_name}): reshard_after_forward=1 (int) keeps the whole parameter after "
+            "forward, as reshard_after_forward=False does",
+            stacklevel=3,
+        )
+        return False
+    if reshard_after_forward == size:
+        return True
+    tensor_parallel = [fqn for _, _, param, fqn, _ in owned if isinstance(param, DTensor)]
+    if tensor_parallel:
+        raise NotImplementedError(
+            f"fully_shard({unit_name}): reshard_after_forward={reshard_after_forward} (resharding to a smaller "
+            f"group) is not supported for tensor-parallel parameters (e.g. {tensor_parallel[0]!r}), as in "
+            "FSDP2; use True or False for this unit"
+        )
+    return reshard_after_forward
+
+
+def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str) -> int:
+    """The dimension ``shard_placement_fn`` (FSDP2's) shards ``param`` on; 0 by default."""
+    placement = None if shard_placement_fn is None or param.ndim == 0 else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise TypeError(
+            f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+            "return Shard(dim) or None (Shard(0))"
+        )
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(
+            f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r} "
+            f"of shape {list(param.shape)}; the dimension must be in [-{param.ndim}, {param.ndim})"
+        )
+    return dim
+
+
+def _default_mesh(modules: list[nn.Module], shard: bool) -> DeviceMesh:
+    """All ranks, on the parameters' device type (for meta or CPU-offloaded
+    parameters, as FSDP2: the accelerator if there is one, else CPU)."""
+    device_type = _params_device_type(modules)
+    if device_type in (None, "meta") or (device_type == "cpu" and torch.cuda.is_available()):
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard" if shard else "replicate",))
+
+
+def _params_device_type(modules: list[nn.Module]) -> str | None:
+    for m in modules:
+        for p in m.parameters():
+            return p.device.type
+    return None
+
+
+def _validate_mesh(mesh: DeviceMesh, modules: list[nn.Module], offload_policy, shard: bool) -> None:
+    name = _unit_name(modules)
+    if shard and mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard({name}) got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; use a 1-D mesh (FSDP) "
+            "or a 2-D (replicate, shard) mesh (HSDP)"
+        )
+    if shard and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard({name}) got a 2-D mesh without mesh_dim_names; for HSDP build it as "
+            'init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))'
+        )
+    if not shard and mesh.ndim != 1:
+        raise ValueError(f"replicate({name}) got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; it needs a 1-D mesh")
+    device_type = _params_device_type(modules)
+    offloaded = isinstance(offload_policy, CPUOffloadPolicy)
+    if device_type not in (None, "meta") and device_type != mesh.device_type and not (offloaded and device_type == "cpu"):
+        raise ValueError(
+            f"fully_shard({name}): the parameters are on {device_type!r} but the mesh is on "
+            f"{mesh.device_type!r}; move the model to the mesh's device type first"
+        )
+
+
+def _unit_name(modules: list[nn.Module]) -> str:
+    """The modules' original class names, for messages."""
+    names = [getattr(type(m), "_fsdp_orig_class", type(m)).__name__ for m in modules]
+    return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
+
+
+def _collect_owned_params(
+    modules: list[nn.Module], ignored: set, unit: FSDPUnit
+) -> list[tuple[nn.Module, str, nn.Parameter, str, int]]:
+    """(owner, name, parameter, fqn, index of the module in ``modules``) for every
+    parameter this unit manages.
+
+    Skips subtrees already sharded by an earlier (nested) call; parameters
+    owned by those units but also held here (tied weights) are included with
+    their existing FSDPParam, which then serves both units.
+    """
+    owned = []
+    for module_index, root in enumerate(modules):
+        stack = [("", root)]
+        while stack:
+            prefix, mod = stack.pop()
+            if mod is not root and _is_sharded_module(mod):
+                continue  # a nested unit owns this subtree
+            for name, param in mod._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                fqn = prefix + name
+                existing = _existing_fsdp_param(mod, name, param)
+                if existing is not None:
+                    _check_shareable(existing, fqn, unit, modules)
+                elif isinstance(param, DTensor):
+                    check_tensor_parallel_param(param, fqn, unit.mesh, _unit_name(modules))
+                owned.append((mod, name, param, fqn, module_index))
+            for child_name, child in reversed(list(mod._modules.items())):
+                if child is not None:
+                    stack.append((f"{prefix}{child_name}.", child))
+    return owned
+
+
+def _existing_fsdp_param(mod: nn.Module, name: str, param: nn.Parameter) -> FSDPParam | None:
+    fsdp_param = getattr(param, _SHARDED_AS, None)
+    if fsdp_param is None:
+        fsdp_param = getattr(mod, "_fsdp_params", {}).get(name)
+    return fsdp_param
+
+
+def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: list[nn.Module]) -> None:
+    owner_unit = existing.unit
+    for m in modules:
+        if any(sub is m for owner in owner_unit.modules for sub in owner.modules()):
+            raise ValueError(
+                f"fully_shard({_unit_name(modules)}): parameter {fqn!r} is already sharded by "
+                f"fully_shard({_unit_name(owner_unit.modules)}), which contains this module. Apply fully_shard "
+                "to submodules before their parents (bottom-up), as with FSDP2."
+            )
+    if owner_unit.mesh != unit.mesh:
+        raise ValueError(
+            f"fully_shard({_unit_name(modules)}): parameter {fqn!r} is shared with the unit of "
+            f"{_unit_name(owner_unit.modules)} ({owner_unit.fqn or 'root'!r}) "
+            "which uses a different mesh; a parameter shared between units must use one mesh. "
+            "Pass the same mesh to both fully_shard calls, or shard the common parent instead."
+        )
+
+
+def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> None:
+    """Every rank must shard the same names, shapes and dtypes (two small all-gathers)."""
+    mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn, _ in owned]
+    group = mesh.get_group() if mesh.ndim == 1 else flat_group_of(mesh)
+    everyone = [
+        [(fqn, tuple(shape), dtype) for fqn, shape, dtype in theirs]
+        for theirs in all_gather_json(mine, group, compute_device(mesh))
+    ]
+    rank = dist.get_rank(group)
+    for other_rank, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        for i in range(max(len(mine), len(theirs))):
+            a = mine[i] if i < len(mine) else None
+            b = theirs[i] if i < len(theirs) else None
+            if a != b:
+                raise ValueError(
+                    f"fully_shard({unit_fqn}): ranks hold different parameters; first mismatch at "
+                    f"{(a or b)[0]!r}: rank {rank} has {_describe(a)}, rank {other_rank} has "
+                    f"{_describe(b)}. Build the same model on every rank before sharding."
+                )
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "no such parameter"
+    fqn, shape, dtype = entry
+    return f"{fqn!r} shape {list(shape)} {dtype}"
