@@ -42,6 +42,7 @@ from fsdp_compile._eager_buckets import (
     shard_versions,
 )
 from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
+from fsdp_compile._execution_mode import ExecutionMode
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 
 @torch.compiler.disable
-def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
+def pre_forward(unit: FSDPUnit, mode: ExecutionMode, args, kwargs):
     """Cast the inputs, open the forward context and gather the whole unit (FSDP2's
     pre-forward); returns the inputs and the saved-tensor hooks that reshard after
     forward, or ``None``.
@@ -65,7 +66,8 @@ def pre_forward(unit: FSDPUnit, inside_compiled_call: bool, args, kwargs):
     a warning names it. Dynamo must not meet our saved-tensor hooks there."""
     args, kwargs = cast_inputs(unit.mp_policy, args, kwargs)
     state = unit.eager
-    forward_context.enter(compiled=inside_compiled_call, owner=state)
+    forward_context.enter(mode, owner=state)
+    inside_compiled_call = mode is ExecutionMode.BETWEEN_GRAPHS
     state.forward_depth += 1
     if state.forward_depth == 1 and running_backward_id() is None:
         state.drop_left_by_a_backward_that_raised()

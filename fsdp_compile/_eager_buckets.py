@@ -1,4 +1,4 @@
-"""Eager buckets of :class:`~fsdp_compile.FSDPParam`\ s: what a unit's parameters share to
+"""Eager buckets of :class:`~fsdp_compile.FSDPParam` objects: what a unit's parameters share to
 go out in one collective, and the bucketed gathers of eager code (FSDP2's pre-forward
 all-gather of a unit, its pre-backward re-gather, their prefetches), on top of
 :mod:`fsdp_compile._eager_collectives`. Compiled steps bucket in
@@ -31,8 +31,8 @@ def bucket_key(fsdp_param: FSDPParam) -> tuple | None:
     (:func:`gather_bucket`), or ``None`` if it gathers on its own: replicated, gradient
     sync off or an accumulated gradient pending, or still gathered."""
     unit = fsdp_param.unit
-    if fsdp_param.kept is not None or not unit.requires_gradient_sync:
-        return None
+    if fsdp_param.extension or fsdp_param.kept is not None or not unit.requires_gradient_sync:
+        return None  # (an extension parameter's own hooks decide what its all-gather moves)
     accumulator, partial = fsdp_param._grad_accumulator, fsdp_param._partial_accumulator
     if accumulator is not None and accumulator.grad is not None:
         return None
@@ -43,6 +43,8 @@ def bucket_key(fsdp_param: FSDPParam) -> tuple | None:
 
 def regather_key(fsdp_param: FSDPParam) -> tuple | None:
     """What eager backward buckets the parameter's re-gather by (see :func:`bucket_key`)."""
+    if fsdp_param.extension:
+        return None
     return _collective_bucket_key(fsdp_param.spec, fsdp_param.sharded_param)
 
 

@@ -22,7 +22,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile._compat import alias_of_local_tensor, fx_annotate, local_tensor_of, mark_as_parameter_input
+from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._low_precision import (
+    gather_extension_param,
+    has_all_gather_extension,
+    pre_all_gather_arity,
+    shard_extension_param,
+    traced_gather,
+)
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
@@ -78,7 +86,19 @@ class FSDPParam:
         self.shard_dim = shard_dim
         # The dtype it is gathered and computed in (per parameter: param_dtype_override_fn).
         self.param_dtype = param_dtype_for(unit.mp_policy, param)
-        self.layout, local = _split(data, shard_dim, dp)
+        # FSDP2's all-gather extension (see ``_low_precision``): the shard keeps the subclass.
+        self.extension = has_all_gather_extension(data)
+        if self.extension:
+            if tp is not None:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {local_fqn!r} is a {type(data).__name__} inside a tensor-parallel DTensor"
+                )
+            self.layout = ShardLayout(tuple(data.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
+            local = shard_extension_param(data, dp.shard_world_size, dp.shard_rank)
+            self.pre_all_gather_arity = pre_all_gather_arity(local_fqn, local)
+            self.traced_extension_gather = traced_gather(self)
+        else:
+            self.layout, local = _split(data, shard_dim, dp)
         self.reduce_group_names = dp.reduce_group_names(sharded=self.layout is not None)
         dtensor = DTensor.from_local(
             unit.devices.to_storage(local),
@@ -122,7 +142,7 @@ class FSDPParam:
         return f"{prefix}.{self.local_fqn}" if prefix else self.local_fqn
 
     def refresh_spec(self) -> None:
-        """Rebuild :attr:`spec` from the unit's current options (see ``FSDPUnit.refresh_specs``)."""
+        """Rebuild :attr:`spec` from the unit's current options (it runs whenever one of ``_fsdp_state.SPEC_OPTIONS`` is written)."""
         unit = self.unit
         factor = unit.gradient_divide_factor
         self.spec = CollectiveSpec(
@@ -171,9 +191,37 @@ class FSDPParam:
             return self.gathered
         # (Traced at every parameter read: each call below is one more function Dynamo
         # inlines, so the compiled path skips what cannot apply there.)
-        if not torch.compiler.is_compiling() and forward_context.in_broken_graph():
+        if forward_context.in_broken_graph():
             warn_gathered_in_broken_graph(self)
+        if self.extension:
+            return self._note_gathered(self._gather_with_extension(sharded_param))
         local = self._gather_input(sharded_param)
+        pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
+        naming, key = self.unit.traced_naming, None
+        spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
+        if isinstance(naming, int):
+            key = _spec_key_as_root(self, naming)
+        full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator, key=key)
+        return self._note_gathered(full)
+
+    def _gather_with_extension(self, sharded_param: nn.Parameter) -> torch.Tensor:
+        """The post hook's compute tensor (see ``_low_precision``); a trainable parameter's
+        gradient is reduced as any other's, through ``gather_with_grad_sync`` handed the
+        compute tensor as already gathered."""
+        if execution_mode() is ExecutionMode.TRACED:
+            full = self.traced_extension_gather(self.local_view)
+        else:
+            with fx_annotate(self.spec.meta):
+                full = gather_extension_param(self, local_tensor_of(sharded_param))
+        if not sharded_param.requires_grad or not torch.is_grad_enabled():
+            return full
+        pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
+        local = sharded_param.to_local()
+        return gather_with_grad_sync(local, self.spec, pending, accumulator, full, partial_pending, partial_accumulator)
+
+    def _accumulation(self) -> tuple:
+        """``gather_with_grad_sync``'s accumulation arguments: (pending, accumulator,
+        partial_pending, partial_accumulator), by the unit's sync and all-reduce modes."""
         accumulator = pending = partial_pending = partial_accumulator = None
         if self._grad_accumulator is not None:
             if self.unit.requires_gradient_sync:
@@ -185,12 +233,7 @@ class FSDPParam:
                 partial_pending = self._partial_accumulator.grad
             else:
                 partial_accumulator = self._partial_accumulator
-        naming, key = self.unit.traced_naming, None
-        spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
-        if isinstance(naming, int):
-            key = _spec_key_as_root(self, naming)
-        full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator, key=key)
-        return self._note_gathered(full)
+        return pending, accumulator, partial_pending, partial_accumulator
 
     def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
@@ -240,6 +283,9 @@ class FSDPParam:
     def refresh_local_view(self) -> None:
         """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
+        if self.extension:  # its hooks read the local tensor itself (e.g. a precomputed float8 scale)
+            self.local_view = local_tensor_of(self.sharded_param)
+            return
         with torch.enable_grad():  # its autograd edge to the sharded parameter is the point
             self.local_view = alias_of_local_tensor(self.sharded_param)
         mark_as_parameter_input(self.local_view)
@@ -249,7 +295,7 @@ class FSDPParam:
         graph inputs]), or ``to_local()`` where the parameter was frozen or unfrozen since.
         Eager: a fresh ``to_local()``, whose autograd node is as new as the gather's, so
         autograd accumulates each gradient (and runs its hooks) as soon as it is reduced."""
-        if torch.compiler.is_compiling():
+        if execution_mode() is ExecutionMode.TRACED:
             view = self.local_view
             return view if view.requires_grad == sharded_param.requires_grad else sharded_param.to_local()
         local = local_tensor_of(sharded_param)

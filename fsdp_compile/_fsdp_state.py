@@ -22,6 +22,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fsdp_compile._compat import never_a_frame_of_its_own
+from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.process_groups import DataParallelMesh
 
 if TYPE_CHECKING:
@@ -72,8 +74,24 @@ class ShardDevices:
 FRAME_NAMING = "frame"
 #: ``FSDPUnit.traced_naming`` of a unit nested directly in a unit named relative to itself.
 NESTED_NAMING = "nested"
-#: ``_ForwardContext.frame_namings`` entry of a sharded forward that ran eagerly.
-EAGER_FRAME = "eager"
+
+
+#: The ``FSDPUnit`` fields its parameters' collective specs are built from
+#: (``FSDPParam.refresh_spec``): writing one rebuilds the specs.
+SPEC_OPTIONS = frozenset(
+    {
+        "reshard_after_forward",
+        "reshard_to",
+        "reshard_after_backward",
+        "gradient_divide_factor",
+        "forward_prefetched_by",
+        "backward_prefetched_by",
+        "mp_policy",
+        "is_root",
+        "name_in_parent",
+        "module_fqns",
+    }
+)
 
 
 @dataclass(eq=False)
@@ -81,9 +99,10 @@ class FSDPUnit:
     """The parameters one ``fully_shard(module)`` call shards, and its options.
 
     Options that the traced collectives depend on (names, resharding, prefetch
-    hints, the gradient divide factor) are baked into each parameter's
-    :class:`~fsdp_compile.runtime.collectives.CollectiveSpec`; whoever changes one
-    calls :meth:`refresh_specs`.
+    hints, the gradient divide factor: :data:`SPEC_OPTIONS`) are baked into each
+    parameter's :class:`~fsdp_compile.runtime.collectives.CollectiveSpec`, which is
+    rebuilt whenever one of them is written (compiled graphs guard on the specs and
+    recompile).
     """
 
     modules: list[nn.Module]  # the module(s) passed to fully_shard
@@ -145,6 +164,11 @@ class FSDPUnit:
         if not self.module_fqns:
             self.module_fqns = [""] * len(self.modules)
 
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in SPEC_OPTIONS:
+            self._rebuild_specs()
+
     @property
     def fqn(self) -> str:
         return self.module_fqns[0]
@@ -152,6 +176,9 @@ class FSDPUnit:
     def set_module_fqn(self, module: nn.Module, fqn: str) -> None:
         index = next(i for i, m in enumerate(self.modules) if m is module)
         self.module_fqns[index] = fqn
+        self._rebuild_specs()
+        for unit in (*self.forward_prefetches, *self.backward_prefetches):  # their hints name this unit
+            unit._rebuild_specs()
 
     def resolved_reshard_after_forward(self) -> bool:
         """FSDP2's rule: ``None`` means True for non-root units and False for the root;
@@ -165,10 +192,10 @@ class FSDPUnit:
         again: resharding after forward, and not keeping them after backward anyway."""
         return self.resolved_reshard_after_forward() and self.reshard_after_backward
 
-    def refresh_specs(self) -> None:
-        """Rebuild every parameter's collective spec after an option changed (eager
-        code only: compiled graphs guard on the specs and recompile)."""
-        for fsdp_param in self.params:
+    def _rebuild_specs(self) -> None:
+        """Rebuild every parameter's collective spec from the unit's options (eager code
+        only: it runs when one of :data:`SPEC_OPTIONS` is written)."""
+        for fsdp_param in self.__dict__.get("params", ()):
             fsdp_param.refresh_spec()
 
 
@@ -185,8 +212,10 @@ class _ForwardContext:
 
     def __init__(self) -> None:
         self.frames: list[list[FSDPParam]] = []  # per running sharded forward: what it gathered
-        self.frame_compiled: list[bool] = []  # per running sharded forward: entered inside a compiled call
-        # Per running sharded forward: its unit's traced_naming, or EAGER_FRAME (not traced).
+        # Per running sharded forward: the mode its forward started in (see ``_execution_mode``).
+        self.frame_modes: list[ExecutionMode] = []
+        # Per running sharded forward: its unit's traced naming (``FSDPUnit.traced_naming``);
+        # None for forwards that are not traced.
         self.frame_namings: list[str | int | None] = []
         # Per running sharded forward: its root's eager state (``FSDPUnit.eager``), for eager
         # forwards; None for traced ones.
@@ -196,17 +225,17 @@ class _ForwardContext:
     def depth(self) -> int:
         return len(self.frames)
 
-    def enter(self, compiled: bool | None = None, naming: str | int | None = EAGER_FRAME, owner: object | None = None) -> None:
-        """A sharded forward starts; ``compiled``: inside a compiled call (default:
-        whether Dynamo is tracing it); ``owner``: its root's eager state (eager forwards)."""
+    def enter(self, mode: ExecutionMode, naming: str | int | None = None, owner: object | None = None) -> None:
+        """A sharded forward starts in ``mode``; ``naming``: its unit's traced naming (traced
+        forwards); ``owner``: its root's eager state (eager forwards)."""
         self.frames.append([])
-        self.frame_compiled.append(torch.compiler.is_compiling() if compiled is None else compiled)
+        self.frame_modes.append(mode)
         self.frame_namings.append(naming)
         self.frame_owners.append(owner)
 
     def exit(self) -> None:
         """The innermost sharded forward returns: drop what it gathered."""
-        self.frame_compiled.pop()
+        self.frame_modes.pop()
         self.frame_namings.pop()
         self.frame_owners.pop()
         for fsdp_param in self.frames.pop():
@@ -225,10 +254,17 @@ class _ForwardContext:
                 "reset the innermost model first"
             )
 
+    def traced_in_this_graph(self) -> bool:
+        """Whether a running sharded forward was entered by traced code: by the graph Dynamo
+        is tracing, or by an earlier graph of this step that broke inside that forward.
+        Forwards entered by eager code are not."""
+        return any(mode is ExecutionMode.TRACED for mode in self.frame_modes)
+
+    @never_a_frame_of_its_own
     def in_broken_graph(self) -> bool:
         """Eager code running inside a sharded forward that a compiled call entered:
         Dynamo broke the graph there."""
-        return not torch.compiler.is_compiling() and any(self.frame_compiled)
+        return execution_mode() is not ExecutionMode.TRACED and any(m is not ExecutionMode.EAGER for m in self.frame_modes)
 
     def note_gathered(self, fsdp_param: FSDPParam) -> None:
         self.frames[-1].append(fsdp_param)

@@ -27,11 +27,11 @@ from fsdp_compile import _eager
 from fsdp_compile._compat import (
     allow_side_effects,
     in_backward_recompute,
-    inside_compiled_call,
     is_compiled_module,
     never_a_frame_of_its_own,
     units_entered_in_this_trace,
 )
+from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp2_tuning import FSDP2TuningMethods
 from fsdp_compile._fsdp_init import (
     _SHARDED_AS,
@@ -47,7 +47,6 @@ from fsdp_compile._fsdp_init import (
 )
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import (
-    EAGER_FRAME,
     FRAME_NAMING,
     NESTED_NAMING,
     FSDPUnit,
@@ -55,6 +54,7 @@ from fsdp_compile._fsdp_state import (
     compute_device,
     forward_context,
 )
+from fsdp_compile._low_precision import check_param_type
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile.passes.registration import install_passes
 from fsdp_compile.runtime.process_groups import DataParallelMesh
@@ -73,9 +73,10 @@ class FSDPModule(FSDP2TuningMethods):
         # The outermost unit called from a compiled call's eager code (the frame
         # torch.compile was given, or Dynamo gave up on the frame above it) runs the
         # compiled path, which Dynamo then compiles as a frame of its own.
-        if torch.compiler.is_compiling() or (forward_context.depth == 0 and inside_compiled_call()):
+        mode = execution_mode()
+        if mode is ExecutionMode.TRACED or (mode is ExecutionMode.BETWEEN_GRAPHS and forward_context.depth == 0):
             return self._forward_compiled(*args, **kwargs)
-        return self._forward_eager(*args, **kwargs)
+        return self._forward_eager(mode, *args, **kwargs)
 
     def _forward_compiled(self, *args, **kwargs):
         """The traced forward: straight-line code, no ``try`` or ``with`` around the
@@ -90,11 +91,12 @@ class FSDPModule(FSDP2TuningMethods):
         unit = self._fsdp_unit
         policy = unit.mp_policy
         args, kwargs = cast_inputs(policy, args, kwargs)
-        naming = _naming_in_graph(unit)
-        renamed = naming not in (None, EAGER_FRAME)
+        mode = execution_mode()
+        naming = _naming_in_graph(unit) if mode is ExecutionMode.TRACED else None
+        renamed = naming is not None
         if renamed:
             allow_side_effects(setattr, unit, "traced_naming", naming)
-        allow_side_effects(forward_context.enter, None, naming)
+        allow_side_effects(forward_context.enter, mode, naming)
         output = super().forward(*args, **kwargs)
         allow_side_effects(forward_context.exit)
         if renamed:
@@ -102,9 +104,9 @@ class FSDPModule(FSDP2TuningMethods):
         return cast_output(policy, output)
 
     @never_a_frame_of_its_own
-    def _forward_eager(self, *args, **kwargs):
+    def _forward_eager(self, mode: ExecutionMode, *args, **kwargs):
         """Plain eager, or eager code inside a compiled call (see ``fsdp_compile._eager``)."""
-        args, kwargs, reshard_hooks = _eager.pre_forward(self._fsdp_unit, inside_compiled_call(), args, kwargs)
+        args, kwargs, reshard_hooks = _eager.pre_forward(self._fsdp_unit, mode, args, kwargs)
         try:
             if reshard_hooks is None:
                 output = super().forward(*args, **kwargs)
@@ -159,7 +161,6 @@ class FSDPModule(FSDP2TuningMethods):
             raise NotImplementedError(f"set_reshard_after_forward({reshard_after_forward!r}): only True/False are supported")
         for unit in units_in(self, recurse):
             unit.reshard_after_forward, unit.reshard_to = reshard_after_forward, None
-            unit.refresh_specs()
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False``: parameters stay gathered after backward, and the next forward reads
@@ -176,7 +177,6 @@ class FSDPModule(FSDP2TuningMethods):
             raise TypeError(f"set_reshard_after_backward({reshard_after_backward!r}): pass True or False")
         for unit in units_in(self, recurse):
             unit.reshard_after_backward = reshard_after_backward
-            unit.refresh_specs()
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Issue the all-gathers of ``modules`` when this unit's forward starts (FSDP2's
@@ -204,11 +204,9 @@ class FSDPModule(FSDP2TuningMethods):
         for unit in getattr(me, f"{direction}_prefetches"):
             if getattr(unit, by) is me:
                 setattr(unit, by, None)
-                unit.refresh_specs()
         setattr(me, f"{direction}_prefetches", units)
         for unit in units:
             setattr(unit, by, me)
-            unit.refresh_specs()
 
     def _prefetch_targets(self, method: str, modules) -> list[FSDPUnit]:
         units = []
@@ -229,7 +227,6 @@ class FSDPModule(FSDP2TuningMethods):
             raise ValueError(f"set_gradient_divide_factor({factor}): the factor must be positive")
         for unit in units_in(self, recurse=False):
             unit.gradient_divide_factor = float(factor)
-            unit.refresh_specs()
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 too: use :meth:`set_gradient_divide_factor`."""
@@ -313,7 +310,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
 
     def sharded_method(self, *args, **kwargs):
-        forward_context.enter()
+        forward_context.enter(execution_mode())
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -432,6 +429,16 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
     shard_dims = [_shard_dim(param, fqn, shard_placement_fn, _unit_name(modules)) for _, _, param, fqn, _ in owned]
     unit.reshard_after_forward = _resolve_reshard_size(reshard_after_forward, unit.dp_mesh, owned, _unit_name(modules))
+    dp = unit.dp_mesh
+    for (_, _, param, fqn, _), shard_dim in zip(owned, shard_dims, strict=True):
+        if getattr(param, _SHARDED_AS, None) is None and not isinstance(param, DTensor):
+            check_param_type(
+                fqn,
+                param,
+                shard_dim=shard_dim,
+                shard_world_size=dp.shard_world_size if dp.shards else None,
+                reshards_to_int=type(unit.reshard_after_forward) is int,
+            )
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
     # -- nothing below may fail on one rank only --
@@ -471,7 +478,6 @@ def _adopt_nested_units(module: nn.Module, unit: FSDPUnit) -> None:
             sub._fsdp_unit.is_root = False
             sub._fsdp_unit.eager = unit.eager  # one eager state per root
             sub._fsdp_unit.set_module_fqn(sub, prefix)
-            sub._fsdp_unit.refresh_specs()
 
 
 # ------------------------------------------------------------- class swapping
@@ -493,7 +499,7 @@ def _install_managed_param(owner: nn.Module, name: str, fsdp_param: FSDPParam) -
 @never_a_frame_of_its_own
 def _naming_in_graph(unit: FSDPUnit) -> str | int | None:
     """How ``unit``'s collectives are named in the graph Dynamo is tracing (its
-    ``FSDPUnit.traced_naming``), or ``EAGER_FRAME`` when not tracing.
+    ``FSDPUnit.traced_naming``); call it only while tracing.
 
     Units that no unit of ours encloses in the graph are named by their place in it: the
     first, unless it is the root, relative to itself (a block compiled on its own: every
@@ -503,9 +509,7 @@ def _naming_in_graph(unit: FSDPUnit) -> str | int | None:
     relative to that block. Reads only values equal across identical blocks (flags, the
     running forwards' namings; the trace's own count is a constant), so it adds no guard
     that tells blocks apart."""
-    if not torch.compiler.is_compiling():
-        return EAGER_FRAME
-    if all(n == EAGER_FRAME for n in forward_context.frame_namings):  # none encloses it in the graph
+    if not forward_context.traced_in_this_graph():  # none encloses it in the graph
         order = units_entered_in_this_trace()
         if order == 0 and not unit.is_root:
             return FRAME_NAMING
@@ -562,16 +566,17 @@ def _own_code_copy(fn, suffix: str):
 
 def _managed_param_property(name: str) -> property:
     def read(self):
-        if torch.compiler.is_compiling() or not inside_compiled_call():
-            return _read_managed(self, name)  # traced, or plain eager
-        return _read_managed_outside_dynamo(self, name)
+        mode = execution_mode()
+        if mode is ExecutionMode.BETWEEN_GRAPHS:
+            return _read_managed_outside_dynamo(self, name, mode)
+        return _read_managed(self, name, mode)
 
     read.__name__ = name
     never_a_frame_of_its_own(read)
     return property(read, doc=f"Sharded parameter {name!r}; the full tensor during a sharded forward.")
 
 
-def _read_managed(module: nn.Module, name: str):
+def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     """A managed parameter's value: the full tensor inside a sharded forward (or while
     held by ``unshard()``), else the sharded ``nn.Parameter``.
 
@@ -588,7 +593,7 @@ def _read_managed(module: nn.Module, name: str):
         return _local_if_swapped(fsdp_param.gathered, module._parameters[name])
     param = module._parameters[name]
     if not forward_context.frames:  # no sharded forward running
-        if not torch.compiler.is_compiling() and in_backward_recompute():
+        if mode is not ExecutionMode.TRACED and in_backward_recompute():
             # Eager activation checkpointing inside a unit: backward re-runs the
             # checkpointed region outside the unit's forward; it needs the values only.
             return _eager.gather_for_recompute(fsdp_param)

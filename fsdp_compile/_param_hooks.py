@@ -34,6 +34,7 @@ import types
 import torch
 
 from fsdp_compile._compat import run_by_compiled_code
+from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp_state import forward_context
 
 
@@ -46,7 +47,8 @@ def route_forward_hooks_to_local_shard(sharded_param: torch.nn.Parameter, fqn: s
         # From a traced forward the registration is either traced through this attribute
         # (Dynamo inlines it) or recorded and replayed by the compiled frame's own code
         # right after its graph, through this attribute again.
-        if torch.compiler.is_compiling() or forward_context.depth or run_by_compiled_code(sys._getframe(1)):
+        traced = execution_mode() is ExecutionMode.TRACED
+        if traced or forward_context.depth or run_by_compiled_code(sys._getframe(1)):
             hook = _on_local_shard(hook, fqn)
         return torch.Tensor.register_post_accumulate_grad_hook(param, hook)
 

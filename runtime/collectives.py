@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_compile._compat import c10d_functional, fx_annotate, group_backend
+from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.bucket_copies import pad_dim0
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
@@ -142,7 +143,7 @@ def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> t
     # ``fsdp_compile.passes.transport``); with that off they run gloo's coalesced
     # all-gather (README, Limitations).
     # A plain tensor outside Dynamo: not traced (AOTAutograd traces with fake/functional tensors).
-    if type(shard) is torch.Tensor and not torch.compiler.is_compiling() and group_backend(group_name) == "gloo":
+    if type(shard) is torch.Tensor and execution_mode() is not ExecutionMode.TRACED and group_backend(group_name) == "gloo":
         out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
         return c10d_functional.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
     return c10d_functional.all_gather_into_tensor(shard, world_size, group_name)

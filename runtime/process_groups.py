@@ -141,6 +141,21 @@ class DataParallelMesh:
     def shards(self) -> bool:
         return self.shard_dim is not None
 
+    @property
+    def shard_mesh(self):
+        """The 1-D ``DeviceMesh`` of the shard group (what FSDP2 hands the all-gather
+        extension's pre hook); ``None`` in DDP mode."""
+        if self.shard_dim is None:
+            return None
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names
+        if names is not None:
+            return self.mesh[names[self.shard_dim]]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.mesh.get_group(self.shard_dim), self.mesh.device_type)
+
     def placements(self, sharded: bool, shard_dim: int = 0, tp_placements: tuple = (), tp_shards: int = 1) -> tuple:
         """DTensor placements of a parameter on this mesh's dimensions, followed by its
         tensor-parallel placements (``tp_placements``) on the TP mesh's.

@@ -435,3 +435,49 @@ def test_a_later_prefetch_hint_replaces_the_earlier(fake_pg):
     assert all(p.spec.tag.forward_prefetched_by == first.fqn for p in third.params)
     model.layers[0].set_modules_to_forward_prefetch([])
     assert first.forward_prefetches == [] and third.forward_prefetched_by is None
+
+
+def test_specs_follow_the_units_options(fake_pg):
+    """A parameter's collective spec is derived from its unit's options: writing one
+    (through FSDP2's setters or directly) rebuilds it, and sharding a parent renames the
+    prefetch hints that name a nested unit."""
+    blocks = MLPStack(dim=16, n_layers=3)
+    for layer in blocks.layers:
+        fully_shard(layer)
+    blocks.layers[0].set_modules_to_forward_prefetch([blocks.layers[1]])
+    first, second = blocks.layers[0]._fsdp_unit, blocks.layers[1]._fsdp_unit
+    assert all(p.spec.tag.forward_prefetched_by == "" for p in second.params)  # both still roots
+    fully_shard(blocks)
+    assert first.fqn == "layers.0"
+    assert all(p.spec.tag.forward_prefetched_by == "layers.0" for p in second.params)
+    assert all(p.spec.tag.param_fqn.startswith("layers.1.") for p in second.params)
+    first.gradient_divide_factor = 4.0
+    assert all(p.spec.reduce_op == "sum" and p.spec.grad_scale == 0.25 for p in first.params)
+    blocks.set_reshard_after_forward(False)
+    assert not any(p.spec.tag.reshard_after_forward for u in (first, second) for p in u.params)
+
+
+def test_forward_context_records_each_forwards_execution_mode(fake_pg):
+    """The mode a sharded forward started in is decided once and kept on its frame: code
+    that a compiled step runs eagerly inside a traced forward (a graph break) sees traced
+    frames around eager code, which is what marks its gathers as left outside the graph."""
+    from fsdp_compile._execution_mode import ExecutionMode, execution_mode
+    from fsdp_compile._fsdp_state import forward_context
+
+    seen = []
+
+    @torch.compiler.disable
+    def probe(x):
+        seen.append((list(forward_context.frame_modes), execution_mode(), forward_context.in_broken_graph()))
+        return x
+
+    model = MLPStack(dim=16, n_layers=2)
+    model.layers[1].register_forward_pre_hook(lambda m, args: (probe(args[0]),))
+    shard_blocks(model)
+    assert execution_mode() is ExecutionMode.EAGER
+    model(torch.randn(2, 16))
+    eager, traced = ExecutionMode.EAGER, ExecutionMode.TRACED
+    assert seen.pop() == ([eager], eager, False)
+    torch.compile(model, backend="aot_eager")(torch.randn(2, 16))
+    assert seen.pop() == ([traced], eager, True)
+    assert forward_context.frame_modes == [] and forward_context.depth == 0

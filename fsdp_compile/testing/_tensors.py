@@ -14,8 +14,15 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a whole tensor, by name (every rank must call it)."""
-    return {name: full_tensor(p) for name, p in model.named_parameters()}
+    """Every parameter as a whole tensor, by name (every rank must call it); frozen
+    parameters of a tensor subclass (NF4 base weights) are left out: nothing updates
+    them, and their subclass may not gather as a ``DTensor``."""
+    return {name: full_tensor(p) for name, p in model.named_parameters() if p.requires_grad or not _is_subclass(p)}
+
+
+def _is_subclass(p: torch.Tensor) -> bool:
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    return type(local) not in (torch.Tensor, nn.Parameter)
 
 
 def global_mean(value: torch.Tensor) -> float:

@@ -1,0 +1,178 @@
+"""Low-precision parameters: FSDP2's all-gather extension for tensor subclasses.
+
+A parameter whose data is a tensor subclass defining
+
+    fsdp_pre_all_gather(mesh) -> (inputs, metadata)
+    fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy) -> (inputs, metadata)
+    fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None) -> (tensor, inner_tensors)
+
+(torchao's ``NF4Tensor`` for QLoRA, its float8 training weight wrapper, its int8
+training weights, ...) decides what its all-gather moves (``inputs``: tensors of any
+dtypes and sizes, e.g. 4-bit codes and their scales) and what the module computes with
+(the post hook's tensor), as with FSDP2 (``torch/distributed/fsdp/_fully_shard/
+_fsdp_param.py``). Here:
+
+- the shard keeps the subclass: ``sharded_param`` is a ``DTensor`` whose local tensor is
+  this rank's rows of the subclass tensor, so ``state_dict()``, DCP and ``full_tensor()``
+  see what they see with FSDP2;
+- a gather calls the pre hook on the local shard, all-gathers its inputs in one
+  collective as bytes (``uint8`` views: gloo has no float8 all-gather, and one buffer
+  carries inputs of several dtypes), splits the output back into one tensor per input
+  (every rank's rows in rank order, as FSDP2 hands them over) and calls the post hook
+  without ``out=``: each gather builds its compute tensor afresh, in eager code as in a
+  compiled graph, where the hooks are traced like the module's own code;
+- gradients: a trainable parameter's gradient (a plain tensor of the full shape) goes
+  through the same reduction as any other's (``gather_with_grad_sync``'s backward); a
+  frozen one (NF4) has none.
+
+Limits (checked at ``fully_shard``, by name): shards on dim 0 only, rows divisible by the
+shard group's size (the subclasses cannot pad), no tensor parallelism around them, and
+no ``reshard_after_forward=<int>`` (FSDP2 has the same limits).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from fsdp_compile._compat import c10d_functional, fx_annotate
+from fsdp_compile.runtime.collectives import issue_all_gather
+
+if TYPE_CHECKING:
+    from fsdp_compile._fsdp_param import FSDPParam
+
+
+def has_all_gather_extension(data: torch.Tensor) -> bool:
+    """Whether ``data`` (a parameter's tensor, or a shard's local tensor) defines FSDP2's
+    all-gather extension."""
+    return hasattr(data, "fsdp_pre_all_gather") and hasattr(data, "fsdp_post_all_gather")
+
+
+def is_other_subclass(data: torch.Tensor) -> bool:
+    """A tensor subclass without the extension (what ``fully_shard`` refuses by name
+    rather than silently turn into a plain tensor)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    if type(data) in (torch.Tensor, nn.Parameter) or isinstance(data, (DTensor, FakeTensor)):
+        return False
+    return not has_all_gather_extension(data)
+
+
+def check_param_type(
+    fqn: str, data: torch.Tensor, *, shard_dim: int, shard_world_size: int | None, reshards_to_int: bool
+) -> None:
+    """Raise, naming the parameter, where its tensor type cannot be sharded as asked: a
+    subclass without the extension, or the extension's limits (``shard_world_size``:
+    ``None`` where the mesh replicates). Runs before any collective."""
+    if isinstance(data, nn.Parameter) and type(data) is not nn.Parameter and not has_all_gather_extension(data):
+        data = data.detach()  # an nn.Parameter subclass of a plain tensor
+    if is_other_subclass(data):
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, a tensor subclass without FSDP2's all-gather "
+            "extension (fsdp_pre_all_gather / fsdp_post_all_gather); sharding it would silently turn it into a plain "
+            "tensor. Define the extension on the subclass, convert the parameter to a plain tensor, or pass it in "
+            "ignored_params"
+        )
+    if not has_all_gather_extension(data):
+        return
+    what = f"fully_shard: parameter {fqn!r} is a {type(data).__name__} (FSDP2's all-gather extension)"
+    if shard_world_size is None:
+        raise NotImplementedError(f"{what}: replicate() does not support it; shard it with fully_shard")
+    if shard_dim != 0:
+        raise NotImplementedError(f"{what}: it can only be sharded on dim 0 (shard_placement_fn gave dim {shard_dim})")
+    if data.ndim == 0 or data.shape[0] % shard_world_size:
+        raise ValueError(
+            f"{what}: its {tuple(data.shape)} rows cannot be split evenly over the {shard_world_size} ranks of the "
+            "shard group (its subclass cannot be padded); choose a group size that divides dim 0, or leave this "
+            "parameter out of the sharded module (ignored_params)"
+        )
+    if reshards_to_int:
+        raise NotImplementedError(f"{what}: reshard_after_forward=<int> is not supported for it (nor in FSDP2); pass True/False")
+
+
+def shard_extension_param(data: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """This rank's rows of ``data``, still of its subclass, in storage of their own (the
+    subclass's own ``split``, ``new_zeros`` and ``copy_``, the ops FSDP2 uses, so the
+    rest of the tensor is freed)."""
+    rows = torch.chunk(data, world_size, dim=0)[rank]
+    local = rows.new_zeros(rows.shape)
+    local.copy_(rows)
+    return local
+
+
+def pre_all_gather_arity(fqn: str, local: torch.Tensor) -> int:
+    """How many arguments ``local``'s pre hook takes (FSDP2's rule: one, ``(mesh)``; five,
+    ``(mesh, outer_size, outer_stride, module, mp_policy)``); read once, at ``fully_shard``
+    (Dynamo cannot trace ``inspect``)."""
+    n_params = len(inspect.signature(local.fsdp_pre_all_gather).parameters)
+    if n_params not in (1, 5):
+        raise TypeError(
+            f"fully_shard: parameter {fqn!r}: {type(local).__name__}.fsdp_pre_all_gather takes {n_params} arguments; "
+            "FSDP2's extension defines (mesh) or (mesh, outer_size, outer_stride, module, mp_policy)"
+        )
+    return n_params
+
+
+def pre_all_gather(fsdp_param: FSDPParam, local: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
+    """The pre hook, called with the signature it declares (:func:`pre_all_gather_arity`)."""
+    # Called through the class: Dynamo then inlines the hook as a function (a method call
+    # on a tensor would be recorded as one opaque op, which cannot return metadata).
+    hook, mesh = type(local).fsdp_pre_all_gather, fsdp_param.unit.dp_mesh.shard_mesh
+    if fsdp_param.pre_all_gather_arity == 1:
+        inputs, metadata = hook(local, mesh)
+    else:
+        module = fsdp_param.owner[0] if fsdp_param.owner is not None else None
+        shape = fsdp_param.sharded_param.shape
+        inputs, metadata = hook(local, mesh, shape, _contiguous_stride(shape), module, fsdp_param.unit.mp_policy)
+    return tuple(inputs), metadata
+
+
+def all_gather_as_bytes(inputs: tuple[torch.Tensor, ...], world_size: int, group_name: str) -> tuple[torch.Tensor, ...]:
+    """All-gather ``inputs`` (any dtypes) in one collective of ``uint8``: each output is
+    every rank's input concatenated on dim 0, in rank order, in the input's dtype."""
+    flat = [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+    sizes = [f.numel() for f in flat]
+    send = flat[0] if len(flat) == 1 else torch.cat(flat)
+    gathered = c10d_functional.wait_tensor(issue_all_gather(send, world_size, group_name))
+    per_rank = gathered.view(world_size, -1)
+    outputs = []
+    for t, part in zip(inputs, per_rank.split(sizes, dim=1), strict=True):
+        outputs.append(part.contiguous().view(t.dtype).view(-1, *t.shape[1:]))
+    return tuple(outputs)
+
+
+def gather_extension_param(fsdp_param: FSDPParam, local: torch.Tensor) -> torch.Tensor:
+    """The compute tensor of ``fsdp_param`` from its shard's local tensor ``local`` (no
+    autograd: a trainable parameter's gradient is connected by the caller)."""
+    layout = fsdp_param.layout
+    inputs, metadata = pre_all_gather(fsdp_param, local)
+    outputs = all_gather_as_bytes(inputs, layout.world_size, layout.group_name)
+    param_dtype = fsdp_param.param_dtype or fsdp_param.sharded_param.dtype
+    full, _inner = type(local).fsdp_post_all_gather(local, outputs, metadata, param_dtype)
+    return full
+
+
+def traced_gather(fsdp_param: FSDPParam):
+    """:func:`gather_extension_param` for ``fsdp_param`` as one node of Dynamo's graph
+    (``allow_in_graph``), which AOTAutograd then traces through: the hooks are the
+    subclass's own Python, which Dynamo may not follow (NF4's pre hook reads
+    ``storage_offset()``, which Dynamo cannot trace), while AOTAutograd runs them on its
+    fake tensors like any code and records their ops."""
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        with fx_annotate(fsdp_param.spec.meta):
+            return gather_extension_param(fsdp_param, local)
+
+    return torch.compiler.allow_in_graph(gather)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
