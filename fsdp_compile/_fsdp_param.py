@@ -25,7 +25,7 @@ from fsdp_compile._compat import alias_of_local_tensor, fx_annotate, local_tenso
 from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._low_precision import (
-    gather_extension_param,
+    gather_extension_with_grad,
     has_all_gather_extension,
     pre_all_gather_arity,
     shard_extension_param,
@@ -206,18 +206,17 @@ class FSDPParam:
 
     def _gather_with_extension(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The post hook's compute tensor (see ``_low_precision``); a trainable parameter's
-        gradient is reduced as any other's, through ``gather_with_grad_sync`` handed the
-        compute tensor as already gathered."""
-        if execution_mode() is ExecutionMode.TRACED:
-            full = self.traced_extension_gather(self.local_view)
+        gradient is reduced as any other's."""
+        traced = execution_mode() is ExecutionMode.TRACED
+        with_grad = sharded_param.requires_grad and torch.is_grad_enabled()
+        if traced:
+            source, carrier = self.extension_source, self.local_view
         else:
-            with fx_annotate(self.spec.meta):
-                full = gather_extension_param(self, local_tensor_of(sharded_param))
-        if not sharded_param.requires_grad or not torch.is_grad_enabled():
-            return full
-        pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
-        local = sharded_param.to_local()
-        return gather_with_grad_sync(local, self.spec, pending, accumulator, full, partial_pending, partial_accumulator)
+            source, carrier = local_tensor_of(sharded_param), sharded_param.to_local()
+        args = (source, carrier if with_grad else None, *self._accumulation())
+        if traced:
+            return self.traced_extension_gather(*args)
+        return gather_extension_with_grad(self, *args)
 
     def _accumulation(self) -> tuple:
         """``gather_with_grad_sync``'s accumulation arguments: (pending, accumulator,
@@ -246,6 +245,9 @@ class FSDPParam:
     def gather_without_autograd(self) -> torch.Tensor:
         """The full tensor on the compute device in ``param_dtype``, outside autograd
         (eager code only: ``unshard()``, eager backward's re-gather)."""
+        if self.extension:
+            with torch.no_grad():
+                return gather_extension_with_grad(self, local_tensor_of(self.sharded_param), None)
         spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
         with torch.no_grad():
             return self._for_compute(gather_with_grad_sync(self._gather_input(self.sharded_param), spec))
@@ -284,8 +286,7 @@ class FSDPParam:
         """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
         if self.extension:  # its hooks read the local tensor itself (e.g. a precomputed float8 scale)
-            self.local_view = local_tensor_of(self.sharded_param)
-            return
+            self.extension_source = local_tensor_of(self.sharded_param)
         with torch.enable_grad():  # its autograd edge to the sharded parameter is the point
             self.local_view = alias_of_local_tensor(self.sharded_param)
         mark_as_parameter_input(self.local_view)

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_compile._compat import c10d_functional, fx_annotate
-from fsdp_compile.runtime.collectives import issue_all_gather
+from fsdp_compile.runtime.collectives import gather_with_grad_sync, issue_all_gather
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_param import FSDPParam
@@ -156,16 +156,36 @@ def gather_extension_param(fsdp_param: FSDPParam, local: torch.Tensor) -> torch.
     return full
 
 
-def traced_gather(fsdp_param: FSDPParam):
-    """:func:`gather_extension_param` for ``fsdp_param`` as one node of Dynamo's graph
-    (``allow_in_graph``), which AOTAutograd then traces through: the hooks are the
-    subclass's own Python, which Dynamo may not follow (NF4's pre hook reads
-    ``storage_offset()``, which Dynamo cannot trace), while AOTAutograd runs them on its
-    fake tensors like any code and records their ops."""
+def gather_extension_with_grad(
+    fsdp_param: FSDPParam,
+    source: torch.Tensor,
+    carrier: torch.Tensor | None,
+    pending: torch.Tensor | None = None,
+    accumulator: torch.Tensor | None = None,
+    partial_pending: torch.Tensor | None = None,
+    partial_accumulator: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The compute tensor from the shard's local tensor ``source``; with ``carrier`` (a
+    tensor whose gradient reaches the sharded parameter), its gradient is reduced into the
+    shard as any parameter's: ``gather_with_grad_sync`` handed the compute tensor as
+    already gathered (accumulation arguments as there)."""
+    with fx_annotate(fsdp_param.spec.meta):
+        full = gather_extension_param(fsdp_param, source)
+    if carrier is None:
+        return full
+    return gather_with_grad_sync(carrier, fsdp_param.spec, pending, accumulator, full, partial_pending, partial_accumulator)
 
-    def gather(local: torch.Tensor) -> torch.Tensor:
-        with fx_annotate(fsdp_param.spec.meta):
-            return gather_extension_param(fsdp_param, local)
+
+def traced_gather(fsdp_param: FSDPParam):
+    """:func:`gather_extension_with_grad` for ``fsdp_param`` as one node of Dynamo's graph
+    (``allow_in_graph``), which AOTAutograd then traces through. The hooks are the
+    subclass's own Python, which Dynamo may not follow (NF4's pre hook reads
+    ``storage_offset()``), and Dynamo would speculate the gradient's backward with a
+    gradient of the compute tensor's subclass, while the gradient that arrives is a plain
+    tensor; AOTAutograd runs all of it on its fake tensors like any code."""
+
+    def gather(source, carrier, pending, accumulator, partial_pending, partial_accumulator):
+        return gather_extension_with_grad(fsdp_param, source, carrier, pending, accumulator, partial_pending, partial_accumulator)
 
     return torch.compiler.allow_in_graph(gather)
 

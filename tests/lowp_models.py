@@ -107,3 +107,81 @@ def shard_layers(model, fully_shard) -> None:
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
+
+
+class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes each all-gather sends from this rank (by input dtype), and all-reduces, as run."""
+
+    def __init__(self):
+        super().__init__()
+        self.gathers: list[tuple[str, int]] = []
+        self.all_reduces = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from fsdp_compile._compat import c10d_functional as c10d
+
+        name = getattr(func, "_overloadpacket", func)
+        if name in (c10d.all_gather_into_tensor, c10d.all_gather_into_tensor_out):
+            self.gathers.append((str(args[0].dtype).replace("torch.", ""), args[0].numel() * args[0].element_size()))
+        elif name is c10d.all_reduce:
+            self.all_reduces += 1
+        return func(*args, **(kwargs or {}))
+
+
+def collective_bytes(kind: str, precompute: bool = False) -> dict:
+    """One eager step of the sharded model: what its forward's all-gathers move, what a
+    float32 gather of the same weights would, and the all-reduces of a step; also the
+    local tensor types of the sharded parameters."""
+    import torch.distributed as dist
+
+    from fsdp_compile import fully_shard
+
+    model = build_qlora() if kind == "nf4" else build_float8()
+    shard_layers(model, fully_shard)
+    inputs, targets = (batch if kind == "nf4" else batch_float8)(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, targets = inputs.chunk(world)[rank], targets.chunk(world)[rank]
+    low = [p for p in model.parameters() if type(p._local_tensor) is not torch.Tensor]
+    fp32_bytes = sum(p._local_tensor.numel() * 4 for p in low)  # the weights as float32 shards
+    if precompute:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    forward = _CollectiveBytes()
+    with forward:
+        loss = mse(model(inputs), targets)
+    loss.backward()
+    return {
+        "local_types": sorted({type(p._local_tensor).__name__ for p in low}),
+        "dtypes": sorted({p._local_tensor.dtype for p in low}, key=str),
+        "gathers": forward.gathers,
+        "all_reduces": forward.all_reduces,
+        "fp32_bytes": fp32_bytes,
+        "grads": {n: p.grad is not None for n, p in model.named_parameters()},
+    }
+
+
+def saved_gathered_in_compiled_step(kind: str) -> list[str]:
+    """Compile one step (Inductor's partitioner): the forward-graph outputs (saved for the
+    backward) made by a resharded unit's gather chain (all-gather, its copy-out, the post
+    hook): gathered low-precision weights kept alive from forward to backward."""
+    import torch.distributed as dist
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile.runtime.vocabulary import Role, tag_of
+    from fsdp_compile.testing import GraphCapture
+
+    model = build_qlora() if kind == "nf4" else build_float8()
+    shard_layers(model, fully_shard)
+    capture = GraphCapture("min_cut")
+    inputs, targets = (batch if kind == "nf4" else batch_float8)(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mse(torch.compile(model, backend=capture)(inputs.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
+    (forward,) = capture.forward_graphs
+    (output,) = [n for n in forward.graph.nodes if n.op == "output"]
+    saved = []
+    for node in output.args[0]:
+        tag = tag_of(node) if isinstance(node, torch.fx.Node) else None
+        if tag is not None and tag.role is Role.UNSHARD and tag.reshard_after_forward:
+            saved.append(f"{node.name} ({tag.param_fqn})")
+    return saved

@@ -1,0 +1,121 @@
+"""Low-precision parameter subclasses through FSDP2's all-gather extension (issue 33):
+QLoRA's NF4 base weights and float8 training with float8 all-gathers (torchao), eager
+and compiled, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("torchao", reason="torchao not installed (pip install -e '.[torchao]')")
+
+from fsdp_compile.testing import assert_parity  # noqa: E402
+from tests import lowp_models as models  # noqa: E402
+
+
+def test_qlora_nf4_trains_like_the_single_process_model(pool2):
+    """Frozen NF4 base weights, trainable adapters: eager and compiled (one graph, as the
+    unsharded model) train like the single-process model."""
+    report = assert_parity(
+        models.build_qlora,
+        models.batch,
+        models.mse,
+        shard_fn=models.shard_layers,
+        backends=("eager", "aot_eager", "inductor"),
+        check_graph_count=True,
+        pool=pool2,
+    )
+    assert report.graphs["ours:aot_eager"] == report.graphs["ours:inductor"] == report.graphs["unsharded"] == 1
+    assert max(report.max_param_gap.values()) <= 1e-5 and max(report.max_loss_gap.values()) <= 1e-5
+
+
+def test_qlora_nf4_matches_fsdp2(pool2):
+    assert_parity(
+        models.build_qlora,
+        models.batch,
+        models.mse,
+        shard_fn=models.shard_layers,
+        backends=("eager", "aot_eager"),
+        reference="fsdp2",
+        pool=pool2,
+    )
+
+
+def test_float8_all_gather_trains_like_the_single_process_float8_model(pool2):
+    """torchao float8 training with float8 all-gathers (emulated on CPU), eager and compiled
+    in one graph; FSDP2 cannot run it on gloo (no float8 all-gather there)."""
+    report = assert_parity(
+        models.build_float8,
+        models.batch_float8,
+        models.mse,
+        shard_fn=models.shard_layers,
+        backends=("eager", "aot_eager", "inductor"),
+        check_graph_count=True,
+        pool=pool2,
+    )
+    assert report.graphs["ours:aot_eager"] == report.graphs["ours:inductor"] == 1
+
+
+def test_all_gathers_move_the_low_precision_payload(pool2):
+    """The shards keep their subclass; the all-gathers move its payload as bytes: NF4's
+    4-bit codes and scales (under 0.3x the float32 bytes of those weights), float8's one
+    byte per element (the scale is the amax all-reduce's, one per weight, or none once
+    precomputed: one all-reduce for the whole model per step)."""
+    nf4 = pool2.run(models.collective_bytes, "nf4")[0]
+    assert nf4["local_types"] == ["NF4Tensor"]
+    assert {dtype for dtype, _ in nf4["gathers"]} == {"uint8", "float32"}  # NF4 payload; the adapters'
+    nf4_bytes = sum(b for dtype, b in nf4["gathers"] if dtype == "uint8")
+    assert 0 < nf4_bytes <= 0.3 * nf4["fp32_bytes"]
+    assert not any(g for n, g in nf4["grads"].items() if "lora" not in n and not n.startswith("head"))
+
+    f8 = pool2.run(models.collective_bytes, "float8")[0]
+    assert f8["local_types"] == ["WeightWithDynamicFloat8CastTensor"]
+    f8_bytes = sum(b for dtype, b in f8["gathers"] if dtype == "uint8")
+    assert f8_bytes == f8["fp32_bytes"] // 4  # one byte per element
+    assert f8["all_reduces"] == 4  # dynamic scaling: one amax all-reduce per weight
+    assert all(f8["grads"].values())
+    precomputed = pool2.run(models.collective_bytes, "float8", True)[0]
+    assert precomputed["all_reduces"] == 0  # the scales came from the one precompute all-reduce
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass without FSDP2's all-gather extension."""
+
+
+class _WithHooks(torch.Tensor):
+    def fsdp_pre_all_gather(self, mesh):
+        raise AssertionError("not reached")
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        raise AssertionError("not reached")
+
+
+def _module_with(param: torch.Tensor) -> nn.Module:
+    module = nn.Linear(4, 4)
+    module.weight = nn.Parameter(param)
+    return module
+
+
+def test_parameter_subclasses_fully_shard_cannot_honour_are_refused_by_name(fake_pg):
+    from torch.distributed.tensor import Shard
+
+    from fsdp_compile import fully_shard, replicate
+
+    with pytest.raises(
+        NotImplementedError, match=r"'weight' is a _Tagged, a tensor subclass without FSDP2's all-gather extension"
+    ):
+        fully_shard(_module_with(torch.randn(16, 4).as_subclass(_Tagged)))
+    with pytest.raises(ValueError, match=r"'weight' is a _WithHooks .* cannot be split evenly over the 8 ranks"):
+        fully_shard(_module_with(torch.randn(12, 4).as_subclass(_WithHooks)))
+    with pytest.raises(NotImplementedError, match=r"'weight' is a _WithHooks .* only be sharded on dim 0"):
+        fully_shard(_module_with(torch.randn(16, 8).as_subclass(_WithHooks)), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    with pytest.raises(NotImplementedError, match=r"'weight' is a _WithHooks .* replicate\(\) does not support it"):
+        replicate(_module_with(torch.randn(16, 4).as_subclass(_WithHooks)))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "float8"])
+def test_compiled_step_keeps_no_gathered_low_precision_weight(pool2, kind):
+    """reshard_after_forward: the backward re-gathers (hooks included) instead of saving
+    what the forward gathered."""
+    assert pool2.run(models.saved_gathered_in_compiled_step, kind)[0] == []
