@@ -37,6 +37,7 @@ from fsdp_compile._eager_buckets import (
     bucket_key,
     gather_bucket,
     gather_bucket_without_autograd,
+    gather_extension_bucket,
     issue_bucket_gather,
     regather_key,
     shard_versions,
@@ -110,6 +111,9 @@ def gather_unit(unit: FSDPUnit) -> None:
         # only in its own autograd graph (a forward never followed by a backward leaves one
         # that was never unpacked; reusing it would serve a later backward its stale weight).
         unit.eager.open_slots.pop(fsdp_param, None)
+    extension = [p for p in to_gather if p.extension]
+    if len(extension) > 1:
+        gather_extension_bucket(extension)
     for key, bucket in _buckets(to_gather, bucket_key):
         prefetched = unit.eager.forward_prefetch.take(bucket) if key is not None else None
         if prefetched is not None or (key is not None and len(bucket) > 1):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_compile._compat import fx_annotate
+from fsdp_compile._compat import fx_annotate, local_tensor_of
 from fsdp_compile._eager_collectives import (
     AllGatherInFlight,
     gather_bucket_with_grad_sync,
@@ -20,6 +20,7 @@ from fsdp_compile._eager_collectives import (
 from fsdp_compile._eager_collectives import bucket_key as _collective_bucket_key
 from fsdp_compile._eager_reduce import defers_reduction
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._low_precision import gather_extension_params
 from fsdp_compile.runtime.vocabulary import Role
 
 if TYPE_CHECKING:
@@ -99,3 +100,15 @@ def gather_bucket_without_autograd(
     with torch.no_grad():
         fulls = in_flight.wait()
     return [p._for_compute(full) for p, full in zip(fsdp_params, fulls, strict=True)]
+
+
+def gather_extension_bucket(fsdp_params: list[FSDPParam]) -> None:
+    """Gather a unit's parameters that use FSDP2's all-gather extension (``_low_precision``)
+    with one ``uint8`` all-gather per shard group, as FSDP2 gathers a unit."""
+    groups: dict[tuple, list[FSDPParam]] = {}
+    for fsdp_param in fsdp_params:
+        groups.setdefault((fsdp_param.layout.group_name, fsdp_param.layout.world_size), []).append(fsdp_param)
+    for group in groups.values():
+        sources = [local_tensor_of(p.sharded_param) for p in group]
+        for fsdp_param, full in zip(group, gather_extension_params(group, sources), strict=True):
+            fsdp_param.note_gathered_extension(full)

@@ -30,6 +30,7 @@ from fsdp_compile._low_precision import (
     pre_all_gather_arity,
     shard_extension_param,
     traced_gather,
+    with_gradient_reduction,
 )
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
@@ -207,16 +208,22 @@ class FSDPParam:
     def _gather_with_extension(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The post hook's compute tensor (see ``_low_precision``); a trainable parameter's
         gradient is reduced as any other's."""
-        traced = execution_mode() is ExecutionMode.TRACED
-        with_grad = sharded_param.requires_grad and torch.is_grad_enabled()
-        if traced:
-            source, carrier = self.extension_source, self.local_view
-        else:
-            source, carrier = local_tensor_of(sharded_param), sharded_param.to_local()
-        args = (source, carrier if with_grad else None, *self._accumulation())
-        if traced:
-            return self.traced_extension_gather(*args)
-        return gather_extension_with_grad(self, *args)
+        if execution_mode() is ExecutionMode.TRACED:
+            return self.traced_extension_gather(
+                self.extension_source, self._gradient_carrier(self.local_view), *self._accumulation()
+            )
+        return gather_extension_with_grad(self, local_tensor_of(sharded_param), self._gradient_carrier(), *self._accumulation())
+
+    def note_gathered_extension(self, full: torch.Tensor) -> torch.Tensor:
+        """Record ``full``, this extension parameter's compute tensor gathered with others
+        of its unit (eager code), with its gradient reduction attached."""
+        return self._note_gathered(with_gradient_reduction(self, full, self._gradient_carrier(), *self._accumulation()))
+
+    def _gradient_carrier(self, traced_view: torch.Tensor | None = None) -> torch.Tensor | None:
+        """What carries a gradient back to the sharded parameter (``None``: none is needed)."""
+        if not (self.sharded_param.requires_grad and torch.is_grad_enabled()):
+            return None
+        return traced_view if traced_view is not None else self.sharded_param.to_local()
 
     def _accumulation(self) -> tuple:
         """``gather_with_grad_sync``'s accumulation arguments: (pending, accumulator,

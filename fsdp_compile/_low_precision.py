@@ -131,7 +131,7 @@ def pre_all_gather(fsdp_param: FSDPParam, local: torch.Tensor) -> tuple[tuple[to
     return tuple(inputs), metadata
 
 
-def all_gather_as_bytes(inputs: tuple[torch.Tensor, ...], world_size: int, group_name: str) -> tuple[torch.Tensor, ...]:
+def all_gather_as_bytes(inputs: list[torch.Tensor], world_size: int, group_name: str) -> list[torch.Tensor]:
     """All-gather ``inputs`` (any dtypes) in one collective of ``uint8``: each output is
     every rank's input concatenated on dim 0, in rank order, in the input's dtype."""
     flat = [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
@@ -142,38 +142,54 @@ def all_gather_as_bytes(inputs: tuple[torch.Tensor, ...], world_size: int, group
     outputs = []
     for t, part in zip(inputs, per_rank.split(sizes, dim=1), strict=True):
         outputs.append(part.contiguous().view(t.dtype).view(-1, *t.shape[1:]))
-    return tuple(outputs)
+    return outputs
 
 
-def gather_extension_param(fsdp_param: FSDPParam, local: torch.Tensor) -> torch.Tensor:
-    """The compute tensor of ``fsdp_param`` from its shard's local tensor ``local`` (no
-    autograd: a trainable parameter's gradient is connected by the caller)."""
-    layout = fsdp_param.layout
-    inputs, metadata = pre_all_gather(fsdp_param, local)
-    outputs = all_gather_as_bytes(inputs, layout.world_size, layout.group_name)
-    param_dtype = fsdp_param.param_dtype or fsdp_param.sharded_param.dtype
-    full, _inner = type(local).fsdp_post_all_gather(local, outputs, metadata, param_dtype)
-    return full
+def gather_extension_params(fsdp_params: list[FSDPParam], sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The compute tensors of ``fsdp_params`` (of one shard group) from their shards' local
+    tensors ``sources``, with one all-gather for all of them (FSDP2's: one per unit); no
+    autograd (a trainable parameter's gradient is connected by the caller)."""
+    pre = [pre_all_gather(p, source) for p, source in zip(fsdp_params, sources, strict=True)]
+    layout = fsdp_params[0].layout
+    outputs = all_gather_as_bytes([t for inputs, _ in pre for t in inputs], layout.world_size, layout.group_name)
+    fulls = []
+    for p, source, (inputs, metadata) in zip(fsdp_params, sources, pre, strict=True):
+        mine, outputs = tuple(outputs[: len(inputs)]), outputs[len(inputs) :]
+        param_dtype = p.param_dtype or p.sharded_param.dtype
+        full, _inner = type(source).fsdp_post_all_gather(source, mine, metadata, param_dtype)
+        fulls.append(full)
+    return fulls
 
 
-def gather_extension_with_grad(
+def gather_extension_param(fsdp_param: FSDPParam, source: torch.Tensor) -> torch.Tensor:
+    return gather_extension_params([fsdp_param], [source])[0]
+
+
+def with_gradient_reduction(
     fsdp_param: FSDPParam,
-    source: torch.Tensor,
+    full: torch.Tensor,
     carrier: torch.Tensor | None,
     pending: torch.Tensor | None = None,
     accumulator: torch.Tensor | None = None,
     partial_pending: torch.Tensor | None = None,
     partial_accumulator: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The compute tensor from the shard's local tensor ``source``; with ``carrier`` (a
-    tensor whose gradient reaches the sharded parameter), its gradient is reduced into the
-    shard as any parameter's: ``gather_with_grad_sync`` handed the compute tensor as
-    already gathered (accumulation arguments as there)."""
-    with fx_annotate(fsdp_param.spec.meta):
-        full = gather_extension_param(fsdp_param, source)
+    """``full`` whose gradient is reduced into the shard as any parameter's, through
+    ``carrier`` (a tensor whose gradient reaches the sharded parameter): ``gather_with_grad_sync``
+    handed ``full`` as already gathered (accumulation arguments as there); ``full`` itself
+    where ``carrier`` is ``None`` (a frozen parameter, or no grad mode)."""
     if carrier is None:
         return full
     return gather_with_grad_sync(carrier, fsdp_param.spec, pending, accumulator, full, partial_pending, partial_accumulator)
+
+
+def gather_extension_with_grad(
+    fsdp_param: FSDPParam, source: torch.Tensor, carrier: torch.Tensor | None, *accumulation
+) -> torch.Tensor:
+    """:func:`gather_extension_param` then :func:`with_gradient_reduction`."""
+    with fx_annotate(fsdp_param.spec.meta):
+        full = gather_extension_param(fsdp_param, source)
+    return with_gradient_reduction(fsdp_param, full, carrier, *accumulation)
 
 
 def traced_gather(fsdp_param: FSDPParam):

@@ -86,6 +86,18 @@ def build_float8() -> nn.Module:
     return model
 
 
+def build_int8_mixed_precision() -> nn.Module:
+    """torchao's int8 mixed-precision training weights (``Int8MixedPrecisionTrainingLinearWeight``:
+    FSDP2's five-argument pre hook) in the blocks."""
+    from torchao.prototype.quantized_training import int8_mixed_precision_training
+    from torchao.quantization import quantize_
+
+    torch.manual_seed(0)
+    model = Float8MLP()
+    quantize_(model.layers, int8_mixed_precision_training())
+    return model
+
+
 def batch(step: int, dim: int = DIM):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(8, dim, generator=g), torch.randn(8, 8, generator=g)
@@ -123,7 +135,7 @@ class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         name = getattr(func, "_overloadpacket", func)
         if name in (c10d.all_gather_into_tensor, c10d.all_gather_into_tensor_out):
             self.gathers.append((str(args[0].dtype).replace("torch.", ""), args[0].numel() * args[0].element_size()))
-        elif name is c10d.all_reduce:
+        elif name in (c10d.all_reduce, torch.ops.c10d.allreduce_):
             self.all_reduces += 1
         return func(*args, **(kwargs or {}))
 
@@ -143,10 +155,17 @@ def collective_bytes(kind: str, precompute: bool = False) -> dict:
     inputs, targets = inputs.chunk(world)[rank], targets.chunk(world)[rank]
     low = [p for p in model.parameters() if type(p._local_tensor) is not torch.Tensor]
     fp32_bytes = sum(p._local_tensor.numel() * 4 for p in low)  # the weights as float32 shards
+    precompute_all_reduces = []
     if precompute:
+        import torch.distributed._functional_collectives as funcol
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-        precompute_float8_dynamic_scale_for_fsdp(model)
+        all_reduce = funcol.all_reduce  # what DTensor's redistribution calls
+        funcol.all_reduce = lambda *args, **kwargs: precompute_all_reduces.append(1) or all_reduce(*args, **kwargs)
+        try:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        finally:
+            funcol.all_reduce = all_reduce
     forward = _CollectiveBytes()
     with forward:
         loss = mse(model(inputs), targets)
@@ -156,6 +175,8 @@ def collective_bytes(kind: str, precompute: bool = False) -> dict:
         "dtypes": sorted({p._local_tensor.dtype for p in low}, key=str),
         "gathers": forward.gathers,
         "all_reduces": forward.all_reduces,
+        "precompute_all_reduces": len(precompute_all_reduces),
+        "units": len(model.layers) + 1,
         "fp32_bytes": fp32_bytes,
         "grads": {n: p.grad is not None for n, p in model.named_parameters()},
     }

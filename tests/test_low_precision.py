@@ -64,7 +64,9 @@ def test_all_gathers_move_the_low_precision_payload(pool2):
     precomputed: one all-reduce for the whole model per step)."""
     nf4 = pool2.run(models.collective_bytes, "nf4")[0]
     assert nf4["local_types"] == ["NF4Tensor"]
-    assert {dtype for dtype, _ in nf4["gathers"]} == {"uint8", "float32"}  # NF4 payload; the adapters'
+    # The root's, then per block one all-gather of both NF4 payloads (FSDP2's: one per
+    # unit), one of its frozen norms and one of its adapters.
+    assert [dtype for dtype, _ in nf4["gathers"]] == ["float32"] + ["uint8", "float32", "float32"] * 2
     nf4_bytes = sum(b for dtype, b in nf4["gathers"] if dtype == "uint8")
     assert 0 < nf4_bytes <= 0.3 * nf4["fp32_bytes"]
     assert not any(g for n, g in nf4["grads"].items() if "lora" not in n and not n.startswith("head"))
@@ -77,6 +79,22 @@ def test_all_gathers_move_the_low_precision_payload(pool2):
     assert all(f8["grads"].values())
     precomputed = pool2.run(models.collective_bytes, "float8", True)[0]
     assert precomputed["all_reduces"] == 0  # the scales came from the one precompute all-reduce
+    assert precomputed["precompute_all_reduces"] == 1
+
+
+def test_int8_mixed_precision_weights_use_the_five_argument_pre_hook(pool2):
+    """torchao's int8 mixed-precision training weights (FSDP2's five-argument
+    ``fsdp_pre_all_gather``), eager and compiled in one graph."""
+    report = assert_parity(
+        models.build_int8_mixed_precision,
+        models.batch_float8,
+        models.mse,
+        shard_fn=models.shard_layers,
+        backends=("eager", "aot_eager"),
+        check_graph_count=True,
+        pool=pool2,
+    )
+    assert report.graphs["ours:aot_eager"] == 1
 
 
 class _Tagged(torch.Tensor):
