@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from fsdp_compile import debug
 from fsdp_compile.passes.cost_model import Simulation, simulate
-from fsdp_compile.runtime.vocabulary import WAIT, collective_kind, is_call, is_view, positions, tag_of
+from fsdp_compile.runtime.vocabulary import WAIT, aten, collective_kind, is_call, is_view, positions, tag_of
 
 
 def _compute_between(graph: fx.Graph, issue: fx.Node, wait: fx.Node | None) -> list[str]:
@@ -58,8 +58,7 @@ def _collective_row(i: int, t, node: fx.Node, graph: fx.Graph, position: dict) -
         params = params[:57] + "..."
     duration = t.end_s - t.start_s
     overlap = 1 - t.exposed_s / duration if duration else 1.0
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-    dtype = str(val.dtype).replace("torch.", "") if val is not None else "?"
+    dtype = _payload_dtype(node.args[0]) if isinstance(node.args[0], fx.Node) else "?"
     shown = ", ".join(between[:3]) + (", ..." if len(between) > 3 else "")
     return (
         f"| {i} | {t.kind} | {tag.unit_label if tag else t.unit} | {params} | {dtype} | {t.bytes} "
@@ -67,6 +66,29 @@ def _collective_row(i: int, t, node: fx.Node, graph: fx.Graph, position: dict) -
         f"| {len(between)}{f' ({shown})' if between else ''} "
         f"| {duration * 1e6:.1f} | {t.exposed_s * 1e6:.1f} | {overlap:.0%} |"
     )
+
+
+def _dtype_of(node: fx.Node) -> str | None:
+    val = node.meta.get("val")
+    return str(val.dtype).replace("torch.", "") if val is not None and hasattr(val, "dtype") else None
+
+
+def _payload_dtype(sent: fx.Node) -> str:
+    """The dtype a collective sends; for the bytes of a low-precision parameter's gather
+    (``uint8`` views of its pre hook's inputs, concatenated), also what they are views of,
+    e.g. ``uint8 (int8+float32+uint8)``."""
+    dtype = _dtype_of(sent)
+    if dtype != "uint8":
+        return dtype or "?"
+    parts = sent.args[0] if sent.target is aten.cat.default else [sent]
+    sources = []
+    for part in parts:
+        while isinstance(part, fx.Node) and _dtype_of(part) == "uint8" and is_view(part) and isinstance(part.args[0], fx.Node):
+            part = part.args[0]
+        sources.append(_dtype_of(part) if isinstance(part, fx.Node) else None)
+    if all(s in (None, "uint8") for s in sources):
+        return "uint8"
+    return f"uint8 ({'+'.join(s or '?' for s in sources)})"
 
 
 def timeline_chrome_trace(sim: Simulation) -> str:

@@ -655,3 +655,23 @@ def test_gloo_transport_leaves_other_groups_and_collectives_alone():
     assert lower_to_all_to_all(gm.graph, lambda group: True) == 1
     assert [c.kind for c in our_collectives(gm.graph)] == ["all_gather", "reduce_scatter"]
     assert our_collectives(gm.graph)[1].issue.target is c10d_functional.reduce_scatter_tensor.default
+
+
+def test_report_names_what_a_low_precision_gather_sends():
+    """collectives.md's dtype of a low-precision parameter's all-gather: the uint8 buffer
+    and the dtypes of the pre hook's inputs it is made of."""
+    from fsdp_compile.passes.report import _payload_dtype
+
+    graph = torch.fx.Graph()
+    parts = []
+    for dtype, n in [(torch.int8, 8), (torch.float32, 2), (torch.uint8, 16)]:
+        inp = graph.placeholder(f"in_{dtype}".replace(".", "_"))
+        inp.meta["val"] = torch.empty(n, dtype=dtype)
+        flat = graph.call_function(torch.ops.aten.view.dtype, (inp, torch.uint8))
+        flat.meta["val"] = inp.meta["val"].view(torch.uint8)
+        parts.append(flat)
+    sent = graph.call_function(torch.ops.aten.cat.default, (parts,))
+    sent.meta["val"] = torch.cat([p.meta["val"] for p in parts])
+    assert _payload_dtype(sent) == "uint8 (int8+float32+uint8)"
+    assert _payload_dtype(parts[1]) == "uint8 (float32)"
+    assert _payload_dtype(parts[0].args[0]) == "int8"
