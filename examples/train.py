@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 8 examples/train.py --dim 1024 --layers 16   # GPUs: NCCL
     python examples/train.py --steps 3 --dump dump/  # every compile stage + collectives report
     python examples/train.py --bf16 --steps 5 --save ckpt/ && python examples/train.py --resume ckpt/
+    python examples/train.py --float8        # torchao float8 training, float8 all-gathers (emulated on CPU)
 
 Each decoder layer is one sharding unit and the root holds the embeddings,
 final norm and (tied) output projection, as with FSDP2. Synthetic tokens that follow a fixed rule (so the loss falls);
@@ -14,6 +15,7 @@ rank 0 prints the loss and step time of every step.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _launch import run_on_ranks
+
+TORCHAO_MISSING = "--float8 needs torchao: pip install -e '.[torchao]'"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,9 +48,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["full", "selective"],
         help="torch.utils.checkpoint inside each decoder layer (selective: matmul outputs saved)",
     )
+    p.add_argument(
+        "--float8",
+        action="store_true",
+        help="torchao float8 training of the decoder layers' linears, with float8 all-gathers "
+        "(emulated matmuls unless on CUDA sm89+; needs pip install -e '.[torchao]')",
+    )
     p.add_argument("--save", metavar="DIR", help="save model + optimizer with DCP after the last step")
     p.add_argument("--resume", metavar="DIR", help="resume model + optimizer + step from a --save checkpoint")
     args = p.parse_args(argv)
+    if args.float8 and args.tp > 1:
+        p.error("--float8 with --tp is not supported (fsdp_compile shards float8 weights with FSDP only)")
+    if args.float8 and importlib.util.find_spec("torchao") is None:
+        p.error(TORCHAO_MISSING)
     if args.world_size is None:
         args.world_size = 2 * args.tp
     return args
@@ -73,6 +87,40 @@ def tensor_parallel(model, tp: int, device: torch.device):
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], plan)
     return mesh["dp"]
+
+
+def float8_training(model, device: torch.device) -> list[str]:
+    """torchao float8 training (tensorwise dynamic scaling) of the linears inside the
+    decoder layers, before sharding: their weights become float8 weight wrappers, whose
+    FSDP2 all-gather extension gathers float8 bytes and their scale. Returns the names
+    of the converted linears."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ImportError(TORCHAO_MISSING) from e
+    # Real float8 matmuls (torch._scaled_mm) need CUDA sm89+ (Ada, Hopper); elsewhere
+    # torchao emulates them (casts to float8 and back, matmul in high precision).
+    emulate = not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+    world_size = dist.get_world_size()
+    converted, skipped = [], []
+
+    def in_layers(module, fqn: str) -> bool:
+        if not fqn.startswith("layers."):
+            return False
+        # float8 matmuls need both weight dims to be multiples of 16 (torchao's own
+        # filter skips the others); fully_shard needs float8 weights' rows to split evenly.
+        rows, cols = module.weight.shape
+        keep = rows % 16 == 0 and cols % 16 == 0 and rows % world_size == 0
+        (converted if keep else skipped).append(fqn)
+        return keep
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=in_layers)
+    if dist.get_rank() == 0:
+        mode = "emulated" if emulate else "float8 matmuls"
+        why = f", {len(skipped)} kept in high precision (dims not multiples of 16, e.g. {skipped[0]})" if skipped else ""
+        print(f"float8 ({mode}): {len(converted)} linears converted{why}", flush=True)
+    return converted
 
 
 def synthetic_tokens(batch: int, length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -110,6 +158,8 @@ def _train(args: argparse.Namespace) -> list[float]:
     )
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = Llama(cfg).to(device)
+    if args.float8:
+        float8_training(model, device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     dp_mesh, dp_rank = None, rank
     if args.tp > 1:
@@ -121,6 +171,14 @@ def _train(args: argparse.Namespace) -> list[float]:
     step_fn = model if args.compile_backend == "eager" else torch.compile(model, backend=args.compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_step = load_checkpoint(args.resume, model, opt) if args.resume else 0
+    # FSDP2's float8 recipe: after each optimizer step, the float8 weights' scales for the
+    # next all-gathers from the updated shards, in one all-reduce of every weight's amax
+    # (instead of one all-reduce per weight in each gather), eager or compiled.
+    precompute_scales = args.float8
+    if precompute_scales:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)  # the first step's gathers too
 
     losses, step_times = [], []
     for step in range(first_step, first_step + args.steps):
@@ -134,6 +192,8 @@ def _train(args: argparse.Namespace) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if precompute_scales:
+            precompute_float8_dynamic_scale_for_fsdp(model)
         reported = loss.detach().clone()
         dist.all_reduce(reported)
         reported /= world_size

@@ -29,6 +29,7 @@ from fsdp_compile._low_precision import (
     has_all_gather_extension,
     pre_all_gather_arity,
     shard_extension_param,
+    side_tensors,
     traced_gather,
     with_gradient_reduction,
 )
@@ -209,9 +210,9 @@ class FSDPParam:
         """The post hook's compute tensor (see ``_low_precision``); a trainable parameter's
         gradient is reduced as any other's."""
         if execution_mode() is ExecutionMode.TRACED:
-            return self.traced_extension_gather(
-                self.extension_source, self._gradient_carrier(self.local_view), *self._accumulation()
-            )
+            side = side_tensors(local_tensor_of(self.sharded_param))
+            carrier = self._gradient_carrier(self.local_view)
+            return self.traced_extension_gather(self.extension_source, side, carrier, *self._accumulation())
         return gather_extension_with_grad(self, local_tensor_of(sharded_param), self._gradient_carrier(), *self._accumulation())
 
     def note_gathered_extension(self, full: torch.Tensor) -> torch.Tensor:
@@ -292,8 +293,8 @@ class FSDPParam:
     def refresh_local_view(self) -> None:
         """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
-        if self.extension:  # its hooks read the local tensor itself (e.g. a precomputed float8 scale)
-            self.extension_source = local_tensor_of(self.sharded_param)
+        if self.extension:  # what a traced gather's hooks read (see [Note: side tensors of a traced gather])
+            self.extension_source = local_tensor_of(self.sharded_param).detach()
         with torch.enable_grad():  # its autograd edge to the sharded parameter is the point
             self.local_view = alias_of_local_tensor(self.sharded_param)
         mark_as_parameter_input(self.local_view)

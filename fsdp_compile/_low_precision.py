@@ -192,15 +192,38 @@ def gather_extension_with_grad(
     return with_gradient_reduction(fsdp_param, full, carrier, *accumulation)
 
 
+# [Note: side tensors of a traced gather] torchao 0.18's float8 weight wrapper keeps the
+# scale ``precompute_float8_dynamic_scale_for_fsdp`` computed in ``_precomputed_scale``, but
+# its ``__tensor_flatten__`` tests that tensor's truth (a data-dependent branch on
+# AOTAutograd's fake tensors) and its ``__tensor_unflatten__`` drops it, so a compiled graph
+# cannot take the wrapper with its scale as an input. A traced gather therefore takes the
+# local tensor's ``detach()`` (the same storage, no such attribute) and each attribute named
+# here as an input of its own, and sets it on a ``detach()`` of that input (never on the
+# graph's input itself) before the pre hook reads it.
+SIDE_TENSOR_ATTRIBUTES = ("_precomputed_scale",)
+
+
+def side_tensors(local: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The :data:`SIDE_TENSOR_ATTRIBUTES` of ``local`` (``None`` where unset)."""
+    return tuple(getattr(local, name, None) for name in SIDE_TENSOR_ATTRIBUTES)
+
+
 def traced_gather(fsdp_param: FSDPParam):
     """:func:`gather_extension_with_grad` for ``fsdp_param`` as one node of Dynamo's graph
     (``allow_in_graph``), which AOTAutograd then traces through. The hooks are the
     subclass's own Python, which Dynamo may not follow (NF4's pre hook reads
     ``storage_offset()``), and Dynamo would speculate the gradient's backward with a
     gradient of the compute tensor's subclass, while the gradient that arrives is a plain
-    tensor; AOTAutograd runs all of it on its fake tensors like any code."""
+    tensor; AOTAutograd runs all of it on its fake tensors like any code. ``source`` is the
+    local tensor's ``detach()``, ``side`` its side tensors (see [Note: side tensors of a
+    traced gather])."""
 
-    def gather(source, carrier, pending, accumulator, partial_pending, partial_accumulator):
+    def gather(source, side, carrier, pending, accumulator, partial_pending, partial_accumulator):
+        if any(tensor is not None for tensor in side):
+            source = source.detach()  # set on a tensor of our own, not on the graph's input
+            for name, tensor in zip(SIDE_TENSOR_ATTRIBUTES, side, strict=True):
+                if tensor is not None:
+                    setattr(source, name, tensor)
         return gather_extension_with_grad(fsdp_param, source, carrier, pending, accumulator, partial_pending, partial_accumulator)
 
     return torch.compiler.allow_in_graph(gather)

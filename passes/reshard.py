@@ -15,11 +15,12 @@ blocks over the smaller group.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from fsdp_compile._compat import CheckpointPolicy, is_backward_node, place_in_backward
 from fsdp_compile.passes.graph_utils import emit
-from fsdp_compile.runtime.vocabulary import ALL_GATHER, WAIT, Role, aten, is_call, is_view, tag_of, val
+from fsdp_compile.runtime.vocabulary import ALL_GATHER, WAIT, Role, aten, collective_kind, is_call, is_view, tag_of, val
 
 #: Recompute-region id for our chains; any value works as long as every node
 #: of one chain shares it (the partitioner saves a value crossing two ids).
@@ -35,16 +36,76 @@ def tag_reshard_after_forward(gm: fx.GraphModule) -> fx.GraphModule:
     results are unchanged. Units with ``reshard_after_forward=False`` keep the
     partitioner's default (the gathered tensor is saved, not re-gathered).
     """
+    chains: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if not is_call(node) or is_backward_node(node):
             continue
         tag = tag_of(node)
         if tag is None or tag.role is not Role.UNSHARD or not tag.reshard_after_forward:
             continue
-        for chain_node in [node, *_view_users(node)]:
-            chain_node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            chain_node.meta["ac_graph_id"] = RESHARD_AC_GRAPH_ID
+        chains.update([node, *_view_users(node)])
+    low_precision = {n for n in chains if _sends_bytes(n)}
+    for chain_node in [*chains, *_computed_from_gathered_alone(gm.graph, chains, low_precision)]:
+        chain_node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        chain_node.meta["ac_graph_id"] = RESHARD_AC_GRAPH_ID
     return gm
+
+
+#: Graph inputs this small (a low-precision weight's lookup table, its scalar mean, a
+#: scale) may feed what is recomputed from a gathered parameter; larger ones are taken for
+#: activations or parameters of their own (a node reading one is left to the partitioner).
+_SMALL_INPUT_NUMEL = 64
+
+
+def _computed_from_gathered_alone(graph: fx.Graph, chains: set[fx.Node], low_precision: set[fx.Node]) -> list[fx.Node]:
+    """Forward nodes outside ``chains`` computed from a low-precision parameter's gathered
+    bytes (``low_precision``: the all-gathers that send ``uint8``; see ``_low_precision``)
+    alone: from chain nodes, graph inputs the chains read, and small graph inputs (its
+    dequantization after the post hook, ``weight.to(dtype)``, reads a lookup table and a
+    scalar mean). The backward recomputes them from the re-gathered bytes rather than keep
+    a full-size dequantized copy (the joint graph's CSE merges the backward's own
+    dequantization into the forward's, whose result the partitioner would otherwise
+    save). Plain parameters' chains are left as they are; collectives, random and in-place
+    ops are never included."""
+    if not low_precision:
+        return []
+    chain_inputs = {i for n in chains for i in n.all_input_nodes if i.op == "placeholder"}
+    derived = set(low_precision)
+    found: list[fx.Node] = []
+    for node in graph.nodes:
+        if node in derived or not is_call(node) or is_backward_node(node) or not node.all_input_nodes:
+            continue
+        if collective_kind(node) is not None or _impure(node):
+            continue
+        inputs = node.all_input_nodes
+        if not any(i in derived for i in inputs):
+            continue
+        if all(i in derived or i in chains or _small_or_read_by_chain(i, chain_inputs) for i in inputs):
+            derived.add(node)
+            if node not in chains:
+                found.append(node)
+    return found
+
+
+def _sends_bytes(node: fx.Node) -> bool:
+    """An all-gather of ``uint8``: a low-precision parameter's payload."""
+    if node.target is not ALL_GATHER or not isinstance(node.args[0], fx.Node):
+        return False
+    value = node.args[0].meta.get("val")
+    return value is not None and value.dtype == torch.uint8
+
+
+def _small_or_read_by_chain(node: fx.Node, chain_inputs: set[fx.Node]) -> bool:
+    if node.op != "placeholder":
+        return False
+    value = node.meta.get("val")
+    return node in chain_inputs or (hasattr(value, "numel") and value.numel() <= _SMALL_INPUT_NUMEL)
+
+
+def _impure(node: fx.Node) -> bool:
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    return bool(schema and (schema.is_mutable or getattr(target, "is_view", False) is False and "rand" in str(target)))
 
 
 def regather_from_post_forward_shards(gm: fx.GraphModule) -> fx.GraphModule:

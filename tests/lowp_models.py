@@ -200,9 +200,52 @@ def saved_gathered_in_compiled_step(kind: str) -> list[str]:
     mse(torch.compile(model, backend=capture)(inputs.chunk(world)[rank]), targets.chunk(world)[rank]).backward()
     (forward,) = capture.forward_graphs
     (output,) = [n for n in forward.graph.nodes if n.op == "output"]
+    full_shapes = {tuple(p.shape) for p in model.parameters() if type(p._local_tensor) is not torch.Tensor}
     saved = []
     for node in output.args[0]:
-        tag = tag_of(node) if isinstance(node, torch.fx.Node) else None
+        if not isinstance(node, torch.fx.Node):
+            continue
+        tag = tag_of(node)
         if tag is not None and tag.role is Role.UNSHARD and tag.reshard_after_forward:
             saved.append(f"{node.name} ({tag.param_fqn})")
+        elif tuple(node.meta["val"].shape) in full_shapes:  # e.g. the weight dequantized
+            saved.append(f"{node.name} (full weight shape {tuple(node.meta['val'].shape)})")
     return saved
+
+
+def train_float8(backend: str | None, precompute: bool, steps: int = 3) -> dict:
+    """Float8 training sharded on the ranks, compiled with ``backend`` (``None``: eager), with
+    or without ``precompute_float8_dynamic_scale_for_fsdp`` before every step (FSDP2's
+    recipe): the losses, the full parameters after each step and the compiled graphs."""
+    import torch.distributed as dist
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    from fsdp_compile import fully_shard
+    from fsdp_compile._compat import compile_counter, reset_dynamo
+    from fsdp_compile.testing import GraphCapture, collective_nodes, full_parameters
+    from fsdp_compile.testing._tensors import global_mean
+
+    reset_dynamo()
+    model = build_float8()
+    shard_layers(model, fully_shard)
+    counter = (GraphCapture() if backend == "capture" else compile_counter(backend)) if backend else None
+    run = torch.compile(model, backend=counter) if counter else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, params = [], []
+    for step in range(steps):
+        if precompute:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        inputs, targets = batch_float8(step)
+        loss = mse(run(inputs.chunk(world)[rank]), targets.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+        params.append(full_parameters(model))
+    all_reduces = None
+    if backend == "capture":  # the all-reduces in the compiled step's graphs
+        graphs = counter.forward_graphs + counter.backward_graphs
+        all_reduces = sum(len(collective_nodes(g, torch.ops._c10d_functional.all_reduce)) for g in graphs)
+    graphs = counter.frame_count if counter else None
+    return {"losses": losses, "params": params, "graphs": graphs, "all_reduces": all_reduces}

@@ -1,27 +1,39 @@
-"""Smoke tests of examples/train.py: it starts its own 2 CPU ranks."""
+"""Smoke tests of the examples (train.py, hf_llama.py, qlora.py): each starts its own 2 CPU ranks."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--layers", "1", "--dim", "32", "--vocab", "64", "--seq-len", "16", "--compile-backend", "aot_eager"]
 
 
-def _train(*args: str) -> dict[int, str]:
+def _run(script: str, *args: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train.py"), *SMALL, *args],
+        [sys.executable, str(ROOT / "examples" / script), *args],
         capture_output=True,
         text=True,
         timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-1500:]}\nstderr:\n{done.stderr[-3000:]}"
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step +(\d+) +loss (\S+) .* ETA", done.stdout, re.M)}
+    assert done.returncode == expect_rc, f"stdout:\n{done.stdout[-1500:]}\nstderr:\n{done.stderr[-3000:]}"
+    return done
+
+
+def _step_losses(stdout: str) -> dict[int, str]:
+    """train.py's printed loss of each step, by step."""
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step +(\d+) +loss (\S+) .* ETA", stdout, re.M)}
+
+
+def _train(*args: str) -> dict[int, str]:
+    return _step_losses(_run("train.py", *SMALL, *args).stdout)
 
 
 def test_train_save_resume_continues_exactly(tmp_path):
@@ -48,12 +60,31 @@ def test_train_bf16_with_activation_checkpointing_runs():
 
 
 def test_hf_llama_example_trains():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hf_llama.py"), "--steps", "2", "--compile-backend", "aot_eager"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-1500:]}\nstderr:\n{done.stderr[-3000:]}"
+    done = _run("hf_llama.py", "--steps", "2", "--compile-backend", "aot_eager")
     assert len(re.findall(r"^step \d+  loss \d+\.\d+", done.stdout, re.M)) == 2
+
+
+def _falling(losses: list[float]) -> bool:
+    return all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_train_float8_compiled_trains():
+    """--float8: torchao float8 training (emulated on CPU) of every linear in the blocks
+    (dim 48: all of their dims are multiples of 16), float8 all-gathers, compiled step."""
+    pytest.importorskip("torchao")
+    done = _run("train.py", *SMALL, "--steps", "3", "--dim", "48", "--float8")
+    assert "float8 (emulated): 7 linears converted" in done.stdout
+    losses = _step_losses(done.stdout)
+    assert sorted(losses) == [0, 1, 2] and _falling([float(v) for v in losses.values()])
+    refused = _run("train.py", "--float8", "--tp", "2", expect_rc=2)
+    assert "--float8 with --tp is not supported" in refused.stderr
+
+
+def test_qlora_example_trains_adapters_over_nf4_shards():
+    """qlora.py: frozen NF4 projections (sharded, still NF4) and trainable LoRA adapters, compiled."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    done = _run("qlora.py", "--steps", "3", "--layers", "1", "--compile-backend", "aot_eager")
+    losses = [float(v) for v in re.findall(r"^step +\d+  loss (\S+)", done.stdout, re.M)]
+    assert len(losses) == 3 and _falling(losses), done.stdout
+    assert "local tensor type: NF4Tensor" in done.stdout

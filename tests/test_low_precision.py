@@ -127,7 +127,10 @@ def test_parameter_subclasses_fully_shard_cannot_honour_are_refused_by_name(fake
     with pytest.raises(ValueError, match=r"'weight' is a _WithHooks .* cannot be split evenly over the 8 ranks"):
         fully_shard(_module_with(torch.randn(12, 4).as_subclass(_WithHooks)))
     with pytest.raises(NotImplementedError, match=r"'weight' is a _WithHooks .* only be sharded on dim 0"):
-        fully_shard(_module_with(torch.randn(16, 8).as_subclass(_WithHooks)), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+        fully_shard(
+            _module_with(torch.randn(16, 8).as_subclass(_WithHooks)),
+            shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None,
+        )
     with pytest.raises(NotImplementedError, match=r"'weight' is a _WithHooks .* replicate\(\) does not support it"):
         replicate(_module_with(torch.randn(16, 4).as_subclass(_WithHooks)))
 
@@ -137,3 +140,20 @@ def test_compiled_step_keeps_no_gathered_low_precision_weight(pool2, kind):
     """reshard_after_forward: the backward re-gathers (hooks included) instead of saving
     what the forward gathered."""
     assert pool2.run(models.saved_gathered_in_compiled_step, kind)[0] == []
+
+
+def test_compiled_float8_with_precomputed_scales_trains_like_eager(pool2):
+    """``precompute_float8_dynamic_scale_for_fsdp`` before each step (the amax of every weight
+    in one all-reduce): the compiled step reads the precomputed scales (handed to the
+    graph beside the weights, see [Note: side tensors of a traced gather]) and trains like
+    eager with dynamic scales, in one graph."""
+    eager = pool2.run(models.train_float8, None, False)[0]
+    compiled = pool2.run(models.train_float8, "capture", True)[0]
+    assert compiled["graphs"] == 1
+    assert compiled["all_reduces"] == 0  # the scales are the precomputed ones: no amax all-reduce
+    dynamic = pool2.run(models.train_float8, "capture", False, 1)[0]
+    assert dynamic["all_reduces"] >= 4  # without: one per weight (again where the backward re-gathers)
+    for step in range(len(eager["losses"])):
+        assert abs(compiled["losses"][step] - eager["losses"][step]) <= 1e-6
+        for name, value in eager["params"][step].items():
+            torch.testing.assert_close(compiled["params"][step][name], value, rtol=1e-5, atol=1e-6)

@@ -285,7 +285,9 @@ def test_copy_ins_lay_out_each_ranks_padded_shards(world_size):
         block[: layout.local_rows] = grad[start : start + layout.local_rows]
         return block.reshape(-1)
 
-    expected = torch.cat([padded_shard(g, layout) for r in range(world_size) for g, layout in zip(grads, layouts[r], strict=True)])
+    expected = torch.cat(
+        [padded_shard(g, layout) for r in range(world_size) for g, layout in zip(grads, layouts[r], strict=True)]
+    )
     flat = torch.ops.fsdp_compile.reduce_scatter_copy_in(grads, [w * world_size for w in widths], world_size)
     torch.testing.assert_close(flat, expected, rtol=0, atol=0)
     # A member without elements contributes nothing.
@@ -293,9 +295,13 @@ def test_copy_ins_lay_out_each_ranks_padded_shards(world_size):
     torch.testing.assert_close(empty, flat.view(world_size, -1)[:, : widths[0]].reshape(-1), rtol=0, atol=0)
 
     for r in range(world_size):
-        shards = [g[layout.rank * layout.rows_per_rank :][: layout.local_rows] for g, layout in zip(grads, layouts[r], strict=True)]
+        shards = [
+            g[layout.rank * layout.rows_per_rank :][: layout.local_rows] for g, layout in zip(grads, layouts[r], strict=True)
+        ]
         copied = torch.ops.fsdp_compile.all_gather_copy_in(shards, widths)
-        torch.testing.assert_close(copied, torch.cat([padded_shard(g, layout) for g, layout in zip(grads, layouts[r], strict=True)]), rtol=0, atol=0)
+        torch.testing.assert_close(
+            copied, torch.cat([padded_shard(g, layout) for g, layout in zip(grads, layouts[r], strict=True)]), rtol=0, atol=0
+        )
 
 
 def test_bucketed_all_gather_copies_out_with_one_op():
@@ -675,3 +681,35 @@ def test_report_names_what_a_low_precision_gather_sends():
     assert _payload_dtype(sent) == "uint8 (int8+float32+uint8)"
     assert _payload_dtype(parts[1]) == "uint8 (float32)"
     assert _payload_dtype(parts[0].args[0]) == "int8"
+
+
+def test_what_is_computed_from_a_resharded_gather_alone_is_recomputed_too():
+    """A low-precision weight's dequantization (from the gathered bytes and a small lookup
+    table) is recomputed with its gather, not saved as a full-size copy; what also reads an
+    activation (the matmul with ``x``), random and in-place ops are not, nor anything after
+    a plain parameter's gather (float32 sent)."""
+    g = fx.Graph()
+    shard, x, lut = g.placeholder("shard"), g.placeholder("x"), g.placeholder("lut")
+    shard.meta["val"], x.meta["val"] = torch.empty(32, dtype=torch.uint8), torch.empty(8, 16)
+    lut.meta["val"] = torch.empty(16)
+    ag = g.call_function(c10d_functional.all_gather_into_tensor.default, (shard, 2, "0"))
+    wait = g.call_function(c10d_functional.wait_tensor.default, (ag,))
+    codes = g.call_function(aten.bitwise_and.Scalar, (wait, 15))
+    dequant = g.call_function(aten.index.Tensor, (lut, [codes]))
+    weight = g.call_function(aten.view.default, (dequant, [8, 8]))
+    noisy = g.call_function(aten.rand_like.default, (weight,))
+    bumped = g.call_function(aten.add_.Tensor, (weight, 1.0))
+    mm = g.call_function(aten.mm.default, (x, weight))
+    g.output((mm, noisy, bumped))
+    for node in (ag, wait):
+        set_tag(node, CollectiveTag(Role.UNSHARD, "w", "layers.0", True))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    tag_reshard_after_forward(gm)
+    must = CheckpointPolicy.MUST_RECOMPUTE
+    tags = _recompute_tags(dict(ag=ag, codes=codes, dequant=dequant, weight=weight, noisy=noisy, bumped=bumped, mm=mm))
+    assert tags == {"ag": must, "codes": must, "dequant": must, "weight": must, "noisy": None, "bumped": None, "mm": None}
+    shard.meta["val"] = torch.empty(32)
+    for node in gm.graph.nodes:
+        node.meta.pop("recompute", None)
+    tag_reshard_after_forward(gm)
+    assert [n for n in gm.graph.nodes if "recompute" in n.meta] == [ag, wait]
