@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_compile._compat import flat_group_of
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, compute_device
+from fsdp_compile._low_precision import check_param_type
 from fsdp_compile._tensor_parallel import check_tensor_parallel_param
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
@@ -209,6 +210,22 @@ def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: lis
             "which uses a different mesh; a parameter shared between units must use one mesh. "
             "Pass the same mesh to both fully_shard calls, or shard the common parent instead."
         )
+
+
+def _check_param_types(owned, shard_dims: list[int], unit: FSDPUnit) -> None:
+    """Refuse, by name, parameter subclasses this unit cannot shard as asked (see
+    ``_low_precision.check_param_type``); parameters sharded already or by tensor
+    parallelism are checked where they were."""
+    dp = unit.dp_mesh
+    for (_, _, param, fqn, _), shard_dim in zip(owned, shard_dims, strict=True):
+        if getattr(param, _SHARDED_AS, None) is None and not isinstance(param, DTensor):
+            check_param_type(
+                fqn,
+                param,
+                shard_dim=shard_dim,
+                shard_world_size=dp.shard_world_size if dp.shards else None,
+                reshards_to_int=type(unit.reshard_after_forward) is int,
+            )
 
 
 def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> None:

@@ -36,6 +36,7 @@ from fsdp_compile._fsdp2_tuning import FSDP2TuningMethods
 from fsdp_compile._fsdp_init import (
     _SHARDED_AS,
     _as_module_list,
+    _check_param_types,
     _check_same_params_on_all_ranks,
     _collect_owned_params,
     _default_mesh,
@@ -54,7 +55,6 @@ from fsdp_compile._fsdp_state import (
     compute_device,
     forward_context,
 )
-from fsdp_compile._low_precision import check_param_type
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile.passes.registration import install_passes
 from fsdp_compile.runtime.process_groups import DataParallelMesh
@@ -429,16 +429,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
     shard_dims = [_shard_dim(param, fqn, shard_placement_fn, _unit_name(modules)) for _, _, param, fqn, _ in owned]
     unit.reshard_after_forward = _resolve_reshard_size(reshard_after_forward, unit.dp_mesh, owned, _unit_name(modules))
-    dp = unit.dp_mesh
-    for (_, _, param, fqn, _), shard_dim in zip(owned, shard_dims, strict=True):
-        if getattr(param, _SHARDED_AS, None) is None and not isinstance(param, DTensor):
-            check_param_type(
-                fqn,
-                param,
-                shard_dim=shard_dim,
-                shard_world_size=dp.shard_world_size if dp.shards else None,
-                reshards_to_int=type(unit.reshard_after_forward) is int,
-            )
+    _check_param_types(owned, shard_dims, unit)
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
     # -- nothing below may fail on one rank only --

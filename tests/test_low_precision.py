@@ -14,46 +14,26 @@ from fsdp_compile.testing import assert_parity  # noqa: E402
 from tests import lowp_models as models  # noqa: E402
 
 
+def _parity(build, batch, backends, pool, **kwargs):
+    return assert_parity(build, batch, models.mse, shard_fn=models.shard_layers, backends=backends, pool=pool, **kwargs)
+
+
 def test_qlora_nf4_trains_like_the_single_process_model(pool2):
     """Frozen NF4 base weights, trainable adapters: eager and compiled (one graph, as the
     unsharded model) train like the single-process model."""
-    report = assert_parity(
-        models.build_qlora,
-        models.batch,
-        models.mse,
-        shard_fn=models.shard_layers,
-        backends=("eager", "aot_eager", "inductor"),
-        check_graph_count=True,
-        pool=pool2,
-    )
+    report = _parity(models.build_qlora, models.batch, ("eager", "aot_eager", "inductor"), pool2, check_graph_count=True)
     assert report.graphs["ours:aot_eager"] == report.graphs["ours:inductor"] == report.graphs["unsharded"] == 1
     assert max(report.max_param_gap.values()) <= 1e-5 and max(report.max_loss_gap.values()) <= 1e-5
 
 
 def test_qlora_nf4_matches_fsdp2(pool2):
-    assert_parity(
-        models.build_qlora,
-        models.batch,
-        models.mse,
-        shard_fn=models.shard_layers,
-        backends=("eager", "aot_eager"),
-        reference="fsdp2",
-        pool=pool2,
-    )
+    _parity(models.build_qlora, models.batch, ("eager", "aot_eager"), pool2, reference="fsdp2")
 
 
 def test_float8_all_gather_trains_like_the_single_process_float8_model(pool2):
     """torchao float8 training with float8 all-gathers (emulated on CPU), eager and compiled
     in one graph; FSDP2 cannot run it on gloo (no float8 all-gather there)."""
-    report = assert_parity(
-        models.build_float8,
-        models.batch_float8,
-        models.mse,
-        shard_fn=models.shard_layers,
-        backends=("eager", "aot_eager", "inductor"),
-        check_graph_count=True,
-        pool=pool2,
-    )
+    report = _parity(models.build_float8, models.batch_float8, ("eager", "aot_eager", "inductor"), pool2, check_graph_count=True)
     assert report.graphs["ours:aot_eager"] == report.graphs["ours:inductor"] == 1
 
 
@@ -85,14 +65,8 @@ def test_all_gathers_move_the_low_precision_payload(pool2):
 def test_int8_mixed_precision_weights_use_the_five_argument_pre_hook(pool2):
     """torchao's int8 mixed-precision training weights (FSDP2's five-argument
     ``fsdp_pre_all_gather``), eager and compiled in one graph."""
-    report = assert_parity(
-        models.build_int8_mixed_precision,
-        models.batch_float8,
-        models.mse,
-        shard_fn=models.shard_layers,
-        backends=("eager", "aot_eager"),
-        check_graph_count=True,
-        pool=pool2,
+    report = _parity(
+        models.build_int8_mixed_precision, models.batch_float8, ("eager", "aot_eager"), pool2, check_graph_count=True
     )
     assert report.graphs["ours:aot_eager"] == 1
 
