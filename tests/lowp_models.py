@@ -51,8 +51,8 @@ class QLoRAModel(nn.Module):
         return self.head(x)
 
 
-def build_qlora() -> nn.Module:
-    torch.manual_seed(0)
+def build_qlora(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     model = QLoRAModel()
     for name, p in model.named_parameters():  # QLoRA trains the adapters (and the head) only
         if "lora" not in name and not name.startswith("head"):
@@ -75,11 +75,11 @@ class Float8MLP(nn.Module):
         return self.head(x)
 
 
-def build_float8() -> nn.Module:
+def build_float8(seed: int = 0) -> nn.Module:
     """Float8 training (emulated on CPU) with float8 all-gathers of the block weights."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Float8MLP()
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn.startswith("layers"))
@@ -249,3 +249,37 @@ def train_float8(backend: str | None, precompute: bool, steps: int = 3) -> dict:
         all_reduces = sum(len(collective_nodes(g, torch.ops._c10d_functional.all_reduce)) for g in graphs)
     graphs = counter.frame_count if counter else None
     return {"losses": losses, "params": params, "graphs": graphs, "all_reduces": all_reduces}
+
+
+def state_dict_view(shard_with: str, checkpoint_dir: str) -> dict:
+    """What a user's checkpoint code sees of the low-precision parameters, sharded by our
+    ``fully_shard`` or FSDP2's: the state dict's types, ``full_tensor()``, and a DCP save
+    and load into a fresh sharded model (values compared after the load)."""
+    import torch.distributed.checkpoint as dcp
+
+    if shard_with == "ours":
+        from fsdp_compile import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    view = {}
+    for kind, build in (("nf4", build_qlora), ("float8", build_float8)):
+        model = build()
+        shard_layers(model, fully_shard)
+        state = model.state_dict()
+        name = next(n for n, p in model.named_parameters() if type(p._local_tensor) is not torch.Tensor)
+        full = state[name].full_tensor()
+        dcp.save(state, checkpoint_id=f"{checkpoint_dir}/{shard_with}-{kind}")
+        fresh = build(seed=1)
+        shard_layers(fresh, fully_shard)
+        loaded = fresh.state_dict()
+        before = torch.equal(loaded[name].full_tensor().to(torch.float32), full.to(torch.float32))
+        dcp.load(loaded, checkpoint_id=f"{checkpoint_dir}/{shard_with}-{kind}")
+        same = not before and torch.equal(loaded[name].full_tensor().to(torch.float32), full.to(torch.float32))
+        view[kind] = (
+            type(state[name]).__name__,
+            type(state[name]._local_tensor).__name__,
+            type(full).__name__,
+            tuple(full.shape),
+            same,
+        )
+    return view
