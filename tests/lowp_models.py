@@ -14,13 +14,15 @@ DIM, LORA_RANK = 256, 8  # NF4 needs 64-element blocks, 256 blocks a scaler bloc
 class QLoRALinear(nn.Module):
     """A frozen NF4 weight plus a trainable low-rank adapter (torchtune's LoRALinear)."""
 
-    def __init__(self, dim: int, rank: int) -> None:
+    def __init__(self, dim: int, rank: int, weight: torch.Tensor | None = None) -> None:
         super().__init__()
         from torchao.quantization import to_nf4
 
-        self.weight = nn.Parameter(to_nf4(nn.Linear(dim, dim, bias=False).weight.detach()), requires_grad=False)
-        self.lora_a = nn.Linear(dim, rank, bias=False)
-        self.lora_b = nn.Linear(rank, dim, bias=False)
+        weight = nn.Linear(dim, dim, bias=False).weight if weight is None else weight
+        out_features, in_features = weight.shape
+        self.weight = nn.Parameter(to_nf4(weight.detach()), requires_grad=False)
+        self.lora_a = nn.Linear(in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, out_features, bias=False)
         nn.init.normal_(self.lora_b.weight, std=0.02)
 
     def forward(self, x):
@@ -283,3 +285,41 @@ def state_dict_view(shard_with: str, checkpoint_dir: str) -> dict:
             same,
         )
     return view
+
+
+def build_hf_qlora() -> nn.Module:
+    """A small ``transformers`` Llama whose attention and MLP projections are frozen NF4
+    weights plus trainable adapters (QLoRA, as torchtune and PEFT lay it out)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, QLoRALinear(0, LORA_RANK, weight=child.weight))
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora" in name)
+    return model
+
+
+def batch_tokens(step: int):
+    g = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, 128, (4, 17), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_token_loss(output, targets):
+    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+
+
+def shard_hf_layers(model, fully_shard) -> None:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)

@@ -141,3 +141,23 @@ def test_state_dict_full_tensor_and_dcp_see_what_fsdp2_gives(pool2, tmp_path):
     assert ours == fsdp2
     assert ours["nf4"] == ("DTensor", "NF4Tensor", "NF4Tensor", (256, 256), True)
     assert ours["float8"][:2] == ("DTensor", "WeightWithDynamicFloat8CastTensor") and ours["float8"][-1]
+
+
+def test_qlora_on_a_transformers_llama(pool2):
+    """QLoRA as PEFT and torchtune lay it out on a ``transformers`` Llama (every attention
+    and MLP projection a frozen NF4 weight plus an adapter): eager and compiled in the
+    unsharded model's one graph, like the single-process model and bitwise like FSDP2."""
+    kwargs = dict(shard_fn=models.shard_hf_layers, pool=pool2)
+    report = assert_parity(
+        models.build_hf_qlora,
+        models.batch_tokens,
+        models.next_token_loss,
+        backends=("eager", "aot_eager"),
+        check_graph_count=True,
+        **kwargs,
+    )
+    assert report.graphs["ours:aot_eager"] == report.graphs["unsharded"] == 1
+    fsdp2 = assert_parity(
+        models.build_hf_qlora, models.batch_tokens, models.next_token_loss, backends=("eager",), reference="fsdp2", **kwargs
+    )
+    assert fsdp2.max_param_gap["ours:eager"] == 0.0 and fsdp2.max_loss_gap["ours:eager"] == 0.0
