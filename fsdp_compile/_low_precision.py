@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from fsdp_compile._compat import c10d_functional, fx_annotate
-from fsdp_compile.runtime.collectives import gather_with_grad_sync, issue_all_gather
+from fsdp_compile._compat import fx_annotate
+from fsdp_compile.runtime.collectives import all_gather_as_bytes, gather_with_grad_sync
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_param import FSDPParam
@@ -129,20 +129,6 @@ def pre_all_gather(fsdp_param: FSDPParam, local: torch.Tensor) -> tuple[tuple[to
         shape = fsdp_param.sharded_param.shape
         inputs, metadata = hook(local, mesh, shape, _contiguous_stride(shape), module, fsdp_param.unit.mp_policy)
     return tuple(inputs), metadata
-
-
-def all_gather_as_bytes(inputs: list[torch.Tensor], world_size: int, group_name: str) -> list[torch.Tensor]:
-    """All-gather ``inputs`` (any dtypes) in one collective of ``uint8``: each output is
-    every rank's input concatenated on dim 0, in rank order, in the input's dtype."""
-    flat = [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
-    sizes = [f.numel() for f in flat]
-    send = flat[0] if len(flat) == 1 else torch.cat(flat)
-    gathered = c10d_functional.wait_tensor(issue_all_gather(send, world_size, group_name))
-    per_rank = gathered.view(world_size, -1)
-    outputs = []
-    for t, part in zip(inputs, per_rank.split(sizes, dim=1), strict=True):
-        outputs.append(part.contiguous().view(t.dtype).view(-1, *t.shape[1:]))
-    return outputs
 
 
 def gather_extension_params(fsdp_params: list[FSDPParam], sources: list[torch.Tensor]) -> list[torch.Tensor]:

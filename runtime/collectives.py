@@ -149,6 +149,22 @@ def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> t
     return c10d_functional.all_gather_into_tensor(shard, world_size, group_name)
 
 
+def all_gather_as_bytes(inputs: list[torch.Tensor], world_size: int, group_name: str) -> list[torch.Tensor]:
+    """All-gather ``inputs`` (any dtypes) in one collective of ``uint8``: each output is
+    every rank's input concatenated on dim 0, in rank order, in the input's dtype (a
+    low-precision parameter's pre-hook tensors: gloo has no float8 all-gather, and one
+    buffer carries several dtypes)."""
+    flat = [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+    sizes = [f.numel() for f in flat]
+    send = flat[0] if len(flat) == 1 else torch.cat(flat)
+    gathered = c10d_functional.wait_tensor(issue_all_gather(send, world_size, group_name))
+    per_rank = gathered.view(world_size, -1)
+    outputs = []
+    for t, part in zip(inputs, per_rank.split(sizes, dim=1), strict=True):
+        outputs.append(part.contiguous().view(t.dtype).view(-1, *t.shape[1:]))
+    return outputs
+
+
 def _all_gather(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     padded = _pad_rows(local, layout.rows_per_rank) if layout.local_rows != layout.rows_per_rank else local.contiguous()
     gathered = c10d_functional.wait_tensor(issue_all_gather(padded, layout.world_size, layout.group_name))
