@@ -137,6 +137,9 @@ class FSDPParam:
         # Whether the gathered tensor (dim 0 first) is what the module reads: no dim moved
         # back, no tensor-parallel DTensor around it (see :meth:`_for_compute`).
         self._reads_gathered_as_is = (not shard_dim or self.layout is None) and tp is None
+        # Whether a traced gather reads :attr:`local_view` itself: nothing to move to the
+        # compute device, no shard dim to move first.
+        self._reads_local_view_as_is = not unit.devices.offload_to_cpu and (not shard_dim or self.layout is None)
 
     @property
     def fqn(self) -> str:
@@ -180,10 +183,11 @@ class FSDPParam:
         )
         return dataclasses.replace(self.spec, tag=tag)
 
-    def gather(self, sharded_param: nn.Parameter) -> torch.Tensor:
+    def gather(self, sharded_param: nn.Parameter, mode: ExecutionMode | None = None) -> torch.Tensor:
         """The full tensor, with autograd (its gradient is reduced back into the shard);
         gathered once, then reused until the innermost running sharded forward returns
-        (see :class:`~fsdp_compile._fsdp_state._ForwardContext`).
+        (see :class:`~fsdp_compile._fsdp_state._ForwardContext`). ``mode``: the caller's
+        :func:`execution_mode` (asked here if not given).
 
         ``sharded_param`` is passed in (rather than read from ``self``) so that
         Dynamo sees it come from the module's ``_parameters`` and lifts it as a
@@ -193,12 +197,19 @@ class FSDPParam:
             return self.gathered
         # (Traced at every parameter read: each call below is one more function Dynamo
         # inlines, so the compiled path skips what cannot apply there.)
-        if forward_context.in_broken_graph():
+        traced = (mode or execution_mode()) is ExecutionMode.TRACED
+        if not traced and forward_context.in_broken_graph():
             warn_gathered_in_broken_graph(self)
         if self.extension:
             return self._note_gathered(self._gather_with_extension(sharded_param))
-        local = self._gather_input(sharded_param)
-        pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
+        if traced and self._reads_local_view_as_is and self.local_view.requires_grad == sharded_param.requires_grad:
+            local = self.local_view  # the common traced case: what _gather_input returns, in fewer steps
+        else:
+            local = self._gather_input(sharded_param)
+        if self._grad_accumulator is None and self._partial_accumulator is None:
+            pending = accumulator = partial_pending = partial_accumulator = None
+        else:
+            pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
         naming, key = self.unit.traced_naming, None
         spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
         if isinstance(naming, int):
@@ -247,7 +258,7 @@ class FSDPParam:
         self.kept = None if self.unit.reshard_after_backward else full.detach()
         self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
         self.state = ParamState.GATHERED
-        forward_context.note_gathered(self)
+        forward_context.frames[-1].append(self)  # (forward_context.note_gathered, inlined: traced per read)
         return self.gathered
 
     def gather_without_autograd(self) -> torch.Tensor:

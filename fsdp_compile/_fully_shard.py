@@ -591,10 +591,10 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
         return param
     if param is not fsdp_param.sharded_param:
         # Swapped for its local tensor: gather from the sharded parameter itself.
-        return _local_if_swapped(allow_side_effects(fsdp_param.gather, fsdp_param.sharded_param), param)
+        return _local_if_swapped(allow_side_effects(fsdp_param.gather, fsdp_param.sharded_param, mode), param)
     # Caching the gathered tensor is a side effect, allowed inside an activation-
     # checkpointing region (e.g. checkpoint(layer) around a sharded layer).
-    return allow_side_effects(fsdp_param.gather, param)
+    return allow_side_effects(fsdp_param.gather, param, mode)
 
 
 def _local_if_swapped(full: torch.Tensor, registered: torch.Tensor) -> torch.Tensor:
