@@ -88,19 +88,7 @@ class FSDPParam:
         self.shard_dim = shard_dim
         # The dtype it is gathered and computed in (per parameter: param_dtype_override_fn).
         self.param_dtype = param_dtype_for(unit.mp_policy, param)
-        # FSDP2's all-gather extension (see ``_low_precision``): the shard keeps the subclass.
-        self.extension = has_all_gather_extension(data)
-        if self.extension:
-            if tp is not None:
-                raise NotImplementedError(
-                    f"fully_shard: parameter {local_fqn!r} is a {type(data).__name__} inside a tensor-parallel DTensor"
-                )
-            self.layout = ShardLayout(tuple(data.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)
-            local = shard_extension_param(data, dp.shard_world_size, dp.shard_rank)
-            self.pre_all_gather_arity = pre_all_gather_arity(local_fqn, local)
-            self.traced_extension_gather = traced_gather(self)
-        else:
-            self.layout, local = _split(data, shard_dim, dp)
+        self.layout, local = self._shard(data, shard_dim)
         self.reduce_group_names = dp.reduce_group_names(sharded=self.layout is not None)
         dtensor = DTensor.from_local(
             unit.devices.to_storage(local),
@@ -140,6 +128,22 @@ class FSDPParam:
         # Whether a traced gather reads :attr:`local_view` itself: nothing to move to the
         # compute device, no shard dim to move first.
         self._reads_local_view_as_is = not unit.devices.offload_to_cpu and (not shard_dim or self.layout is None)
+
+    def _shard(self, data: torch.Tensor, shard_dim: int) -> tuple[ShardLayout | None, torch.Tensor]:
+        """This rank's shard of ``data`` and its layout. A tensor subclass with FSDP2's
+        all-gather extension keeps its subclass (see ``_low_precision``)."""
+        dp = self.unit.dp_mesh
+        self.extension = has_all_gather_extension(data)
+        if not self.extension:
+            return _split(data, shard_dim, dp)
+        if self.tensor_parallel is not None:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.local_fqn!r} is a {type(data).__name__} inside a tensor-parallel DTensor"
+            )
+        local = shard_extension_param(data, dp.shard_world_size, dp.shard_rank)
+        self.pre_all_gather_arity = pre_all_gather_arity(self.local_fqn, local)
+        self.traced_extension_gather = traced_gather(self)
+        return ShardLayout(tuple(data.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name), local
 
     @property
     def fqn(self) -> str:
