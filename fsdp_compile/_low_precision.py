@@ -92,6 +92,14 @@ def check_param_type(
         )
     if reshards_to_int:
         raise NotImplementedError(f"{what}: reshard_after_forward=<int> is not supported for it (nor in FSDP2); pass True/False")
+    try:  # the subclass's own split (views): its constraints (NF4: whole groups of 64 x 256 values a shard)
+        pieces = torch.chunk(data.detach(), shard_world_size, dim=0)
+    except Exception as error:  # noqa: BLE001 - any refusal of the subclass, reported with the parameter's name
+        raise ValueError(f"{what}: its subclass cannot split it into {shard_world_size} shards: {error}") from error
+    if len(pieces) != shard_world_size or any(p.shape[0] != data.shape[0] // shard_world_size for p in pieces):
+        raise ValueError(
+            f"{what}: its subclass split it into {[tuple(p.shape) for p in pieces]}, not {shard_world_size} equal shards"
+        )
 
 
 def shard_extension_param(data: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:

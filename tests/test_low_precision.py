@@ -161,3 +161,12 @@ def test_qlora_on_a_transformers_llama(pool2):
         models.build_hf_qlora, models.batch_tokens, models.next_token_loss, backends=("eager",), reference="fsdp2", **kwargs
     )
     assert fsdp2.max_param_gap["ours:eager"] == 0.0 and fsdp2.max_loss_gap["ours:eager"] == 0.0
+
+
+def test_an_nf4_weight_its_subclass_cannot_split_is_refused_by_name(fake_pg):
+    """NF4 keeps its scales in groups of 64 x 256 values: a 128 x 128 weight is one group,
+    which 8 ranks cannot share. The subclass's own refusal is reported with the name."""
+    from fsdp_compile import fully_shard
+
+    with pytest.raises(ValueError, match=r"'weight' is a NF4Tensor .* cannot split it into 8 shards"):
+        fully_shard(models.QLoRALinear(128, 8))
