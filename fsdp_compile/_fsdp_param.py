@@ -205,7 +205,7 @@ class FSDPParam:
         if not traced and forward_context.in_broken_graph():
             warn_gathered_in_broken_graph(self)
         if self.extension:
-            return self._note_gathered(self._gather_with_extension(sharded_param))
+            return self._note_gathered(self._gather_with_extension(sharded_param, traced))
         if traced and self._reads_local_view_as_is and self.local_view.requires_grad == sharded_param.requires_grad:
             local = self.local_view  # the common traced case: what _gather_input returns, in fewer steps
         else:
@@ -221,10 +221,10 @@ class FSDPParam:
         full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator, key=key)
         return self._note_gathered(full)
 
-    def _gather_with_extension(self, sharded_param: nn.Parameter) -> torch.Tensor:
+    def _gather_with_extension(self, sharded_param: nn.Parameter, traced: bool) -> torch.Tensor:
         """The post hook's compute tensor (see ``_low_precision``); a trainable parameter's
         gradient is reduced as any other's."""
-        if execution_mode() is ExecutionMode.TRACED:
+        if traced:
             side = side_tensors(local_tensor_of(self.sharded_param))
             carrier = self._gradient_carrier(self.local_view)
             return self.traced_extension_gather(self.extension_source, side, carrier, *self._accumulation())
@@ -262,7 +262,7 @@ class FSDPParam:
         self.kept = None if self.unit.reshard_after_backward else full.detach()
         self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
         self.state = ParamState.GATHERED
-        forward_context.frames[-1].append(self)  # (forward_context.note_gathered, inlined: traced per read)
+        forward_context.frames[-1].append(self)  # the innermost running forward drops it when it returns
         return self.gathered
 
     def gather_without_autograd(self) -> torch.Tensor:

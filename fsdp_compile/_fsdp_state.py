@@ -266,9 +266,6 @@ class _ForwardContext:
         Dynamo broke the graph there."""
         return execution_mode() is not ExecutionMode.TRACED and any(m is not ExecutionMode.EAGER for m in self.frame_modes)
 
-    def note_gathered(self, fsdp_param: FSDPParam) -> None:
-        self.frames[-1].append(fsdp_param)
-
     def gathered_params(self) -> Iterator[FSDPParam]:
         """The parameters gathered by the running sharded forwards."""
         for frame in self.frames:
