@@ -210,10 +210,7 @@ class FSDPParam:
             local = self.local_view  # the common traced case: what _gather_input returns, in fewer steps
         else:
             local = self._gather_input(sharded_param)
-        if self._grad_accumulator is None and self._partial_accumulator is None:
-            pending = accumulator = partial_pending = partial_accumulator = None
-        else:
-            pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
+        pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
         naming, key = self.unit.traced_naming, None
         spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
         if isinstance(naming, int):
@@ -245,6 +242,8 @@ class FSDPParam:
         """``gather_with_grad_sync``'s accumulation arguments: (pending, accumulator,
         partial_pending, partial_accumulator), by the unit's sync and all-reduce modes."""
         accumulator = pending = partial_pending = partial_accumulator = None
+        if self._grad_accumulator is None and self._partial_accumulator is None:
+            return pending, accumulator, partial_pending, partial_accumulator  # the common case, in few traced steps
         if self._grad_accumulator is not None:
             if self.unit.requires_gradient_sync:
                 pending = self._grad_accumulator.grad
