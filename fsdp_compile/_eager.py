@@ -473,8 +473,8 @@ def _pack(t: torch.Tensor):
     if type(t) is not torch.Tensor or t.numel() == 0:
         return t
     fsdp_param = _gathered_param_of(t)
-    if fsdp_param is None or not fsdp_param.unit.frees_gathered_after_forward():
-        return t
+    if fsdp_param is None or fsdp_param.layout is None or not fsdp_param.unit.frees_gathered_after_forward():
+        return t  # (layout None: the "gathered" tensor is the local one, nothing to free)
     state = fsdp_param.unit.eager
     slot = state.open_slots.get(fsdp_param)
     if slot is None or slot.pending == 0:

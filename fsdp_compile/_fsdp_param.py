@@ -94,7 +94,7 @@ class FSDPParam:
             unit.devices.to_storage(local),
             unit.mesh if tp is None else spmd_mesh(unit.mesh, tp),
             dp.placements(
-                sharded=self.layout is not None,
+                sharded=data.ndim != 0 and dp.shards,
                 shard_dim=shard_dim,
                 tp_placements=() if tp is None else tp.placements,
                 tp_shards=1 if tp is None else tp.shards_on(shard_dim),
@@ -408,9 +408,13 @@ def _spec_key_as_root(fsdp_param: FSDPParam, order: int) -> str:
 def _split(data: torch.Tensor, shard_dim: int, dp) -> tuple[ShardLayout | None, torch.Tensor]:
     """This rank's shard of ``data`` (a copy) along ``shard_dim`` over ``dp``'s shard group,
     and its layout; ``None`` and the whole tensor where it is replicated (0-dim, or no
-    shard group), its gradient all-reduced."""
+    shard group), its gradient all-reduced. A shard group of one rank holds the whole
+    tensor too: its all-gather and reduce-scatter would be copies, so there are none (the
+    ``DTensor`` keeps its ``Shard`` placement, as FSDP2's)."""
     if data.ndim == 0 or not dp.shards:
         return None, data.clone()
+    if dp.shard_world_size == 1:
+        return None, data.clone(memory_format=torch.contiguous_format)
     # The runtime splits dim 0; another shard dim is moved there and back.
     moved = data.movedim(shard_dim, 0)
     layout = ShardLayout(tuple(moved.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)

@@ -194,8 +194,8 @@ class DataParallelMesh:
     def reduce_group_names(self, sharded: bool) -> tuple[str, ...]:
         """Groups an all-reduced (not reduce-scattered) gradient is summed over, in order."""
         names = []
-        if self.shard_group_name is not None and not sharded:
+        if self.shard_group_name is not None and not sharded and self.shard_world_size > 1:
             names.append(self.shard_group_name)
-        if self.replicate_group_name is not None:
+        if self.replicate_group_name is not None and self.mesh.size(self.replicate_dim) > 1:
             names.append(self.replicate_group_name)
         return tuple(names)

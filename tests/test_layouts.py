@@ -117,6 +117,18 @@ def test_hsdp_shards_over_dim_1_and_all_reduces_over_dim_0(pool4):
         assert all(c[0] != "all_reduce" for c in info["backward"][:first_reduce])
 
 
+def test_shard_groups_of_one_rank_gather_nothing(pool2):
+    """HSDP on a (2, 1) mesh: each shard group is one rank, so the shard is the whole
+    tensor. Same numbers as the reference and FSDP2 and the same placements, with no
+    all-gather or reduce-scatter (they would be copies): the backward all-reduces only."""
+    variants = ["reference", *OURS, "fsdp2"]
+    _check_parity(pool2.run(train_all, "llama", variants, 3, False, None, "hsdp-1"), variants)
+    for rank, info in enumerate(pool2.run(placements_and_graph, "hsdp-1")):
+        assert set(map(tuple, info["placements"].values())) == {("R", "S(0)")}
+        assert info["forward"] == [], rank
+        assert {(op, g) for op, g, _ in info["backward"]} == {("all_reduce", info["groups"]["replicate"])}, rank
+
+
 def test_reshard_to_a_smaller_group_matches_reference_and_torch(pool4):
     """reshard_after_forward=2 on 4 ranks (FSDP2's int): same numbers as the reference
     and FSDP2's (the MLP's uneven shapes pad the kept blocks); forward gathers over all

@@ -38,7 +38,7 @@ MIXED_PRECISION = {
 
 def _shard_model(variant: str, units, mp: str | None = None, layout: str = "fsdp") -> None:
     """Shard ``units`` bottom-up. ``layout``: ``fsdp`` (1-D mesh), ``hsdp`` (2 x world/2
-    mesh, replicate x shard), ``ddp`` (``replicate``), ``offload`` (``CPUOffloadPolicy``)
+    mesh, replicate x shard), ``hsdp-1`` (world x 1: shard groups of one rank), ``ddp`` (``replicate``), ``offload`` (``CPUOffloadPolicy``)
     or ``reshard-half`` (1-D mesh, ``reshard_after_forward=world/2``)."""
     if variant == "reference":
         return
@@ -52,8 +52,8 @@ def _shard_model(variant: str, units, mp: str | None = None, layout: str = "fsdp
         from fsdp_compile import fully_shard, replicate
     policy = MixedPrecisionPolicy(**(MIXED_PRECISION[mp] or {}))
     kwargs = {}
-    if layout == "hsdp":
-        shape = (2, dist.get_world_size() // 2)
+    if layout in ("hsdp", "hsdp-1"):
+        shape = (2, dist.get_world_size() // 2) if layout == "hsdp" else (dist.get_world_size(), 1)
         kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     elif layout == "offload":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)

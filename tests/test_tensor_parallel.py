@@ -450,11 +450,13 @@ def _hf_model(arch: str, intermediate_size: int = 128):
     above do not. Qwen3: per-head q/k norms under ``replicated_with_grad_allreduce``, whose
     forward registers a gradient hook that all-reduces over TP. Mixtral: MoE experts whose
     gate and up weights are one ``packed_colwise`` tensor (``_StridedShard``), run by
-    ``moe_tp_experts`` on their local tensors (swapped into ``_parameters`` around the call)."""
+    ``moe_tp_experts`` on their local tensors (swapped into ``_parameters`` around the call).
+    One decoder layer: with the root that is two units, and each more layer is one more
+    of the same unit (compile time, nothing new)."""
     import transformers
 
     common = dict(
-        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
+        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ,
         tie_word_embeddings=False,
     )
@@ -507,7 +509,7 @@ def test_transformers_own_tp_plan_matches_reference_and_fsdp2(pool4, arch):
     fsdp2 = pool4.run(train_hf_own_plan, "fsdp2", arch)[0]
     ours_eager = pool4.run(train_hf_own_plan, "ours", arch)[0]
     ours_aot = pool4.run(train_hf_own_plan, "ours:aot_eager", arch)[0]
-    tp_only = pool4.run(train_hf_own_plan, "tp_only:aot_eager", arch)[0]
+    tp_only = pool4.run(train_hf_own_plan, "tp_only:eager", arch)[0]  # graphs are Dynamo's: no AOTAutograd needed
     assert ours_eager["placements"] == fsdp2["placements"]
     if arch == "mixtral":
         assert ours_eager["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == ("Shard(dim=0)", "_StridedShard(dim=1, sf=2)")
