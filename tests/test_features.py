@@ -440,16 +440,18 @@ def test_activation_checkpointing_eager_is_bitwise_equal_to_no_checkpointing(poo
 
 def test_activation_checkpointing_under_compile(pool2):
     """The same checkpointed model compiled: aot_eager trains bitwise like eager without
-    checkpointing, Inductor to fp32 rounding, in one graph; and the compiled forward
-    hands the backward fewer bytes (full < selective < none)."""
+    checkpointing, in one graph, and Inductor selective checkpointing to fp32 rounding
+    (full checkpointing under Inductor: test_real_models' checkpointed Llamas); and the
+    compiled forward hands the backward fewer bytes (full < selective < none)."""
     without = pool2.run(train, "llama", "ours-eager")[0]
     for name in ("llama_ac", "llama_sac"):
         compiled = pool2.run(train, name, "ours-aot_eager")[0]
         assert compiled["loss"] == without["loss"], name
         _equal(compiled["params"][-1], without["params"][-1])
-        inductor = pool2.run(train, name, "ours-inductor")[0]
-        _equal(inductor["params"][-1], without["params"][-1], rtol=1e-5, atol=1e-6)
-        assert compiled["frames"] == inductor["frames"] == 1
+        assert compiled["frames"] == 1
+    inductor = pool2.run(train, "llama_sac", "ours-inductor")[0]
+    _equal(inductor["params"][-1], without["params"][-1], rtol=1e-5, atol=1e-6)
+    assert inductor["frames"] == 1
     saved = {name: pool2.run(compiled_saved_bytes, name)[0] for name in ("llama", "llama_sac", "llama_ac")}
     assert saved["llama_ac"] < saved["llama_sac"] < saved["llama"], saved
 

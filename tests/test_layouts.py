@@ -182,19 +182,18 @@ def test_shard_placement_copies_only_across_devices():
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
-def test_gloo_all_to_all_on_4_ranks_matches_gloos_own_collectives(pool4, layout):
+def test_gloo_all_to_all_on_4_ranks_matches_the_reference(pool4, layout):
     """``config.gloo_all_to_all`` over 4 ranks (1-D: a reduce-scatter sums 4 slices, in
     torch's order rather than gloo's) and HSDP 2x2 (mesh groups; the replicate
     dimension's all-reduces stay): every rank the same, within fp32 rounding of the
-    compiled step with gloo's own collectives and of the single-process reference; the compiled code's
-    all-gathers and reduce-scatters are all-to-alls."""
-    variants = ["reference", "ours-inductor-gloo", "ours-inductor-a2a"]
+    single-process reference; the compiled code's all-gathers and reduce-scatters are
+    all-to-alls. (Against gloo's own collectives: bitwise on 2 ranks, test_parity.)"""
+    variants = ["reference", "ours-inductor-a2a"]
     per_rank = pool4.run(train_all, "llama", variants, 3, False, None, layout)
     for other in per_rank[1:]:
         for v in variants:
             _assert_records_equal(per_rank[0][v], other[v], exact=True, what=v)
     result = per_rank[0]
-    _assert_records_equal(result["ours-inductor-a2a"], result["ours-inductor-gloo"], exact=False, what="all-to-all vs gloo's collectives")
     _assert_records_equal(result["ours-inductor-a2a"], result["reference"], exact=False, what="all-to-all vs reference")
     collectives = result["ours-inductor-a2a"]["collectives"]
     assert collectives["all_gather_into_tensor"] == collectives["reduce_scatter_tensor"] == 0 < collectives["all_to_all_single"]
