@@ -37,6 +37,7 @@ from fsdp_compile._compat import (
     set_post_grad_custom_post_pass,
     watch_dynamo_frame_compiles,
 )
+from fsdp_compile.passes.backward_tags import restore_backward_tags
 from fsdp_compile.passes.checkpointing import save_random_ops_in_checkpointed_regions
 from fsdp_compile.passes.consistency import insert_consistency_check
 from fsdp_compile.passes.pinning import pin_schedule
@@ -64,6 +65,7 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     start = time.perf_counter()
     _warn_if_recompile(gm)
     _warn_if_graph_break(gm.graph)
+    restore_backward_tags(gm.graph)  # (torch < 2.13 drops them)
     if units_in(gm.graph):
         save_random_ops_in_checkpointed_regions(gm)  # before our tags: only a checkpoint's are seen
     if config.reshard_pass:
@@ -81,6 +83,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
         return
     start = time.perf_counter()
     _warn_if_graph_break(graph)
+    restore_backward_tags(graph)  # (no-op: the joint pass restored them, where it ran)
     config.validate()
     folder = debug.begin_graph(graph_name(graph).split()[0])
     debug.record_graph(folder, "0_input", graph)

@@ -713,3 +713,64 @@ def test_what_is_computed_from_a_resharded_gather_alone_is_recomputed_too():
         node.meta.pop("recompute", None)
     tag_reshard_after_forward(gm)
     assert [n for n in gm.graph.nodes if "recompute" in n.meta] == [ag, wait]
+
+
+# ---------------------------------------------------------------- backward tags (torch < 2.13)
+
+
+def _backward_graph_with_forward_tags_only() -> tuple[fx.Graph, dict[str, fx.Node]]:
+    """A backward graph as torch 2.11 leaves it: parameter ``w`` re-gathered (depends on
+    its shard only), its gradient cast, reduce-scattered and all-reduced over a replicate
+    group (HSDP), parameter ``b`` replicated (its gradient all-reduced only); every node
+    of both reductions carries its gather's tag (role ``UNSHARD``), none a gradient tag."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.graph_utils import emit
+    from fsdp_compile.runtime.vocabulary import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, aten
+
+    graph, mode, nodes = fx.Graph(), FakeTensorMode(), {}
+    w_tag, b_tag = (CollectiveTag(Role.UNSHARD, name, "layers.0", True) for name in ("layers.0.w", "layers.0.b"))
+
+    def placeholder(name, shape):
+        node = nodes[name] = graph.placeholder(name)
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+        return node
+
+    w_shard, b, grad_out = placeholder("primals_1", (2, 4)), placeholder("primals_2", (4,)), placeholder("tangents_1", (3, 4))
+    nodes["regather"] = emit(graph, ALL_GATHER, (w_shard, 2, "shard"), tag=w_tag)
+    nodes["regather_wait"] = emit(graph, WAIT, (nodes["regather"],), tag=w_tag)
+    grad_w = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (grad_out,)), grad_out))
+    nodes["cast"] = emit(graph, aten.mul.Tensor, (grad_w, 0.5), tag=w_tag)
+    nodes["reduce_scatter"] = emit(graph, REDUCE_SCATTER, (nodes["cast"], "avg", 2, "shard"), tag=w_tag)
+    nodes["reduce_scatter_wait"] = emit(graph, WAIT, (nodes["reduce_scatter"],), tag=w_tag)
+    nodes["w_all_reduce"] = emit(graph, ALL_REDUCE, (nodes["reduce_scatter_wait"], "avg", "replicate"), tag=w_tag)
+    nodes["w_all_reduce_wait"] = emit(graph, WAIT, (nodes["w_all_reduce"],), tag=w_tag)
+    grad_b = emit(graph, aten.sum.dim_IntList, (grad_out, [0]))
+    nodes["b_all_reduce"] = emit(graph, ALL_REDUCE, (grad_b, "avg", "replicate"), tag=b_tag)
+    nodes["b_all_reduce_wait"] = emit(graph, WAIT, (nodes["b_all_reduce"],), tag=b_tag)
+    graph.output((nodes["regather_wait"], nodes["w_all_reduce_wait"], nodes["b_all_reduce_wait"], b))
+    return graph, nodes
+
+
+def test_restore_backward_tags_gives_gradient_reductions_their_roles():
+    """The reduction nodes get the gradient role they were traced under (all-reduces:
+    REPLICATE_GRAD after a reduce-scatter, REDUCE_GRAD instead of one); the re-gather,
+    which depends on no tangent, keeps its gather tag; nodes, edges and order stay;
+    a graph that already has gradient tags is left alone."""
+    from fsdp_compile.passes.backward_tags import restore_backward_tags
+    from fsdp_compile.runtime.vocabulary import tag_of
+
+    graph, nodes = _backward_graph_with_forward_tags_only()
+    order = [n.name for n in graph.nodes]
+    assert restore_backward_tags(graph) == 7
+    roles = {name: tag_of(node).role for name, node in nodes.items() if tag_of(node) is not None}
+    assert roles == {
+        "regather": Role.UNSHARD, "regather_wait": Role.UNSHARD,
+        "cast": Role.REDUCE_GRAD, "reduce_scatter": Role.REDUCE_GRAD, "reduce_scatter_wait": Role.REDUCE_GRAD,
+        "w_all_reduce": Role.REPLICATE_GRAD, "w_all_reduce_wait": Role.REPLICATE_GRAD,
+        "b_all_reduce": Role.REDUCE_GRAD, "b_all_reduce_wait": Role.REDUCE_GRAD,
+    }
+    assert tag_of(nodes["reduce_scatter"]).param_fqn == "layers.0.w"
+    assert [n.name for n in graph.nodes] == order
+    assert restore_backward_tags(graph) == 0  # gradient tags present: nothing to restore
