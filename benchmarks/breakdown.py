@@ -4,7 +4,7 @@
                                    [--setups unsharded-compiled,ours-compiled,...]
 
 The model, ranks and interleaved timing of ``benchmarks.step_time`` (2 gloo ranks
-on loopback, 1 thread each, AdamW, fp32), two tables:
+on loopback, 1 thread each, AdamW, fp32), three tables:
 
 **The ladder** (medians of the interleaved timed steps):
 
@@ -32,6 +32,11 @@ slower step than the median):
 - *outside*: the rest of the step (Python between graphs, Dynamo's guards, the
   autograd engine, the loss);
 - *gloo threads*: wall time of gloo's operations on its own threads.
+
+**The calls** (the same profiled step): collective issues, the ops the compiled
+graphs call (extern kernels such as ``mm``, our copy ops; Inductor's fused C++
+kernels are not profiler events) and the ops run outside any graph (optimizer,
+loss, autograd's gradient accumulation): the CPU-side launch count of a step.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ COLUMNS = (
     "outside",
     "gloo threads",
 )
+
+
+LAUNCH_COLUMNS = ("collective calls", "ops in graphs", "ops outside graphs")
 
 
 def _is_wait(name: str) -> bool:
@@ -83,6 +91,41 @@ def _outermost_total_ms(events, match) -> float:
     return total / 1e3
 
 
+def _has_ancestor(event, match) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if match(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _in_graph(event) -> bool:
+    return _has_ancestor(event, lambda name: name in ("CompiledFunction", "CompiledFunctionBackward"))
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith(("aten::", "prims::", "fsdp_compile::", "_c10d_functional::", "c10d::"))
+
+
+def _is_collective(name: str) -> bool:
+    return name.startswith(("_c10d_functional::", "c10d::")) and not _is_wait(name)
+
+
+def launches(events: list) -> dict:
+    """CPU-side calls per step on every thread (autograd runs the backward on one of
+    its own): collective issues; ops the compiled
+    graphs call (the outermost ``aten::`` / ``fsdp_compile::`` ... events inside them:
+    extern kernels and our ops; Inductor's fused C++ kernels are no profiler events);
+    ops outside the graphs (the optimizer's, the loss's, autograd's accumulation)."""
+    outermost = [e for e in events if _is_op(e.name) and not _has_ancestor(e, _is_op)]
+    return {
+        "collective calls": sum(1 for e in events if _is_collective(e.name) and not _has_ancestor(e, _is_collective)),
+        "ops in graphs": sum(1 for e in outermost if _in_graph(e)),
+        "ops outside graphs": sum(1 for e in outermost if not _in_graph(e)),
+    }
+
+
 def categorize(prof, step_s: float) -> dict:
     """The profiled step's time per :data:`COLUMNS` category (ms) on the main thread
     (the one with the most events), plus ``step`` (the profiled step's wall time)."""
@@ -95,6 +138,7 @@ def categorize(prof, step_s: float) -> dict:
     out["step"] = step_s * 1e3
     out["outside"] = out["step"] - out["forward graph"] - out["backward graph"] - out["optimizer"]
     out["gloo threads"] = sum(e.cpu_time_total for e in events if e.thread != main and e.name.startswith("gloo:")) / 1e3
+    out.update(launches(events))
     return out
 
 
@@ -105,7 +149,7 @@ def parser():
 
 
 def tables(args=None) -> list[str]:
-    """Run the benchmark; its two tables as markdown strings."""
+    """Run the benchmark; its three tables as markdown strings."""
     args = step_time.resolve(parser().parse_args(list(args or [])) if args is None or isinstance(args, (list, tuple)) else args)
     res = step_time.run_on_pool(args, cold_compile=False, breakdown=True)
     limit = res["median"].get(step_time.LIMIT)
@@ -139,9 +183,17 @@ def tables(args=None) -> list[str]:
         profile.append(
             f"| {step_time.SETUPS[name][0]} | {cats['step']:.0f} | " + " | ".join(f"{cats[c]:.1f}" for c in COLUMNS) + " |"
         )
+    counts = [
+        "CPU-side calls in that profiled step, rank 0 (see `launches`).",
+        "",
+        table_header("setup", *LAUNCH_COLUMNS),
+    ]
+    for name in args.setups:
+        cats = res["breakdown"][name]
+        counts.append(f"| {step_time.SETUPS[name][0]} | " + " | ".join(str(cats[c]) for c in LAUNCH_COLUMNS) + " |")
     if args.skipped:
-        profile += ["", args.skipped]
-    return ["\n".join(ladder), "\n".join(profile)]
+        counts += ["", args.skipped]
+    return ["\n".join(ladder), "\n".join(profile), "\n".join(counts)]
 
 
 def main(argv=None) -> None:
