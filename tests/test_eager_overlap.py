@@ -16,7 +16,7 @@ import torch.distributed as dist
 import fsdp_compile._eager as eager
 import fsdp_compile._eager_reduce as eager_reduce
 from fsdp_compile import config
-from fsdp_compile.testing import full_parameters
+from fsdp_compile.testing import full_parameters, full_tensor
 from fsdp_compile.testing.models import Llama, LlamaConfig, MLPStack
 from tests.models import batch, fully_shard_of, llama_units, loss_fn
 from tests.models import build as build_model
@@ -364,7 +364,7 @@ def under_compiled_autograd(name: str) -> dict:
             ctx = compiled_autograd._enable(torch.compile(backend="eager")) if compiled else contextlib.nullcontext()
             with ctx:
                 loss.backward()
-        return [p.grad.full_tensor() for p in model.parameters()]
+        return [full_tensor(p.grad) for p in model.parameters()]
 
     def compiled_step():
         """Forward and backward in one compiled function, under compiled autograd."""
@@ -379,7 +379,7 @@ def under_compiled_autograd(name: str) -> dict:
 
         with torch._dynamo.config.patch(compiled_autograd=True):
             torch.compile(forward_backward, backend="aot_eager")(_local(x), _local(y))
-        return [p.grad.full_tensor() for p in model.parameters()]
+        return [full_tensor(p.grad) for p in model.parameters()]
 
     try:
         step(True, True)
@@ -398,7 +398,7 @@ def grad_without_overlap(name: str) -> dict:
     with config.patch(eager_overlap=False):
         grads = torch.autograd.grad(_loss(name, model(_local(x)), _local(y)), params)
     _loss(name, model(_local(x)), _local(y)).backward()
-    return {"grad": [g.full_tensor() for g in grads], "backward": [p.grad.full_tensor() for p in params]}
+    return {"grad": [full_tensor(g) for g in grads], "backward": [full_tensor(p.grad) for p in params]}
 
 
 def forward_left_without_backward(name: str) -> list:

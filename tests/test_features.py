@@ -224,12 +224,12 @@ def module_methods() -> dict:
     out["resharded_is_dtensor"] = isinstance(model.layers[0].weight, DTensor)
 
     model(x).sum().backward()
-    averaged = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    averaged = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
     model.zero_grad()
     for layer in model.layers:
         layer.set_gradient_divide_factor(1.0)
     model(x).sum().backward()
-    summed = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    summed = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
     out["divide_factor_1_sums"] = all(torch.equal(summed[n], 2 * averaged[n]) for n in summed)
     return out
 

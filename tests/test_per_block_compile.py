@@ -22,7 +22,7 @@ from fsdp_compile import fully_shard
 from fsdp_compile._compat import c10d_functional
 from fsdp_compile.runtime import Role, tag_of
 from fsdp_compile.runtime.vocabulary import FRAME_UNIT
-from fsdp_compile.testing import GraphCapture, collective_nodes
+from fsdp_compile.testing import GraphCapture, collective_nodes, full_tensor
 from fsdp_compile.testing.models import DecoderLayer, Llama, LlamaConfig, MLPStack
 from tests.models import fully_shard_of
 
@@ -183,8 +183,7 @@ def train_per_block(variant: str, pattern: str, backend: str, blocks: str) -> di
         losses.append(loss.item())
         params.append(
             {
-                name.replace("._orig_mod", ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for name, p in model.named_parameters()
+                name.replace("._orig_mod", ""): full_tensor(p) for name, p in model.named_parameters()
             }
         )
     return {"losses": losses, "params": params}

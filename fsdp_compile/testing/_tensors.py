@@ -9,8 +9,42 @@ from torch.distributed.tensor import DTensor
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A detached copy of the whole tensor (gathered if it is a DTensor; a collective then)."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    """A detached copy of the whole tensor (gathered if it is a DTensor; a collective then).
+
+    Over gloo, a tensor sharded on dim 0 over one mesh dimension is gathered with
+    ``dist.all_gather_into_tensor`` (gloo's ``_allgather_base``) rather than
+    ``DTensor.full_tensor()``, whose functional all-gather takes gloo's coalesced
+    all-gather: back-to-back calls of that one can corrupt the heap (README,
+    Limitations), which killed a rank of this suite now and then."""
+    if not isinstance(t, DTensor):
+        return t.detach().clone()
+    with torch.no_grad():
+        gathered = _all_gathered_over_gloo(t)
+        return (gathered if gathered is not None else t.full_tensor()).detach().clone()
+
+
+def _all_gathered_over_gloo(t: DTensor) -> torch.Tensor | None:
+    """``t``'s whole tensor where it is replicated, or sharded on dim 0 (``torch.chunk``
+    rows) over one dimension of a gloo mesh; ``None`` for any other layout."""
+    from torch.distributed.tensor import Shard
+
+    local = t._local_tensor
+    sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
+    if type(local) is not torch.Tensor or len(sharded) > 1:
+        return None
+    if not sharded:
+        return local
+    mesh_dim, placement = sharded[0]
+    group = t.device_mesh.get_group(mesh_dim)
+    if type(placement) is not Shard or placement.dim != 0 or dist.get_backend(group) != "gloo":
+        return None
+    size = t.device_mesh.size(mesh_dim)
+    rows = -(-t.shape[0] // size)
+    padded = local.new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    out = local.new_empty((rows * size, *local.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return out[: t.shape[0]]
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
