@@ -113,11 +113,10 @@ def _is_collective(name: str) -> bool:
 
 
 def launches(events: list) -> dict:
-    """CPU-side calls per step on every thread (autograd runs the backward on one of
-    its own): collective issues; ops the compiled
-    graphs call (the outermost ``aten::`` / ``fsdp_compile::`` ... events inside them:
-    extern kernels and our ops; Inductor's fused C++ kernels are no profiler events);
-    ops outside the graphs (the optimizer's, the loss's, autograd's accumulation)."""
+    """CPU-side calls in a profiled step, every thread (autograd may run the backward
+    on one of its own): collective issues; ops the compiled graphs call (the outermost
+    op events inside them: extern kernels and our ops; Inductor's fused C++ kernels are
+    no profiler events); ops outside the graphs (optimizer, loss, gradient accumulation)."""
     outermost = [e for e in events if _is_op(e.name) and not _has_ancestor(e, _is_op)]
     return {
         "collective calls": sum(1 for e in events if _is_collective(e.name) and not _has_ancestor(e, _is_collective)),

@@ -411,10 +411,8 @@ def _split(data: torch.Tensor, shard_dim: int, dp) -> tuple[ShardLayout | None, 
     shard group), its gradient all-reduced. A shard group of one rank holds the whole
     tensor too: its all-gather and reduce-scatter would be copies, so there are none (the
     ``DTensor`` keeps its ``Shard`` placement, as FSDP2's)."""
-    if data.ndim == 0 or not dp.shards:
-        return None, data.clone()
-    if dp.shard_world_size == 1:
-        return None, data.clone(memory_format=torch.contiguous_format)
+    if data.ndim == 0 or not dp.shards or dp.shard_world_size == 1:
+        return None, data.clone(memory_format=torch.contiguous_format)  # (the DTensor's stride is contiguous)
     # The runtime splits dim 0; another shard dim is moved there and back.
     moved = data.movedim(shard_dim, 0)
     layout = ShardLayout(tuple(moved.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fsdp_compile.runtime.vocabulary import GRAD_TAG_KEY, TAG_KEY, WAIT, Role, collective_kind, is_call, tag_of
+from fsdp_compile.runtime.vocabulary import GRAD_TAG_KEY, TAG_KEY, WAIT, Role, collective_kind, is_call, is_tangent, tag_of
 
 __all__ = ["restore_backward_tags"]
 
@@ -32,10 +32,7 @@ def _tangent_descendants(graph: fx.Graph) -> set[fx.Node]:
     ``tangents_*`` placeholders), in one pass over the topologically ordered graph."""
     seen: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder":
-            if node.name.startswith("tangents"):
-                seen.add(node)
-        elif any(arg in seen for arg in node.all_input_nodes):
+        if is_tangent(node) or any(arg in seen for arg in node.all_input_nodes):
             seen.add(node)
     return seen
 
@@ -51,19 +48,24 @@ def restore_backward_tags(graph: fx.Graph) -> int:
     """Tag each node of a gradient reduction that carries only its gather's tag with the
     gradient role it was traced under; returns how many nodes it tagged.
 
-    The all-reduces (and their waits) get ``REPLICATE_GRAD`` when that parameter's
-    gradient is also reduce-scattered (HSDP's replicate dimension), ``REDUCE_GRAD`` when
-    it is all-reduced instead (a replicated parameter); every other node ``REDUCE_GRAD``.
+    Only parameters whose gradient is reduced in this graph count: without gradient sync
+    the backward casts the gradient for its accumulator and reduces nothing, and that
+    cast keeps the gather's tag, as torch 2.13 leaves it. The all-reduces (and their
+    waits) get ``REPLICATE_GRAD`` when that parameter's gradient is also reduce-scattered
+    (HSDP's replicate dimension), ``REDUCE_GRAD`` when it is all-reduced instead (a
+    replicated parameter); every other node ``REDUCE_GRAD``.
     """
     if any(isinstance(n.meta.get("custom"), dict) and GRAD_TAG_KEY in n.meta["custom"] for n in graph.nodes):
         return 0
     from_tangents = _tangent_descendants(graph)
-    untagged = [n for n in graph.nodes if n in from_tangents and is_call(n) and TAG_KEY in (n.meta.get("custom") or {})]
-    scattered = {tag_of(n).param_fqn for n in untagged if collective_kind(n) == "reduce_scatter"}
-    for node in untagged:
+    tagged = [n for n in graph.nodes if n in from_tangents and is_call(n) and TAG_KEY in (n.meta.get("custom") or {})]
+    reduced = {tag_of(n).param_fqn for n in tagged if collective_kind(n) is not None}
+    scattered = {tag_of(n).param_fqn for n in tagged if collective_kind(n) == "reduce_scatter"}
+    reduction = [n for n in tagged if tag_of(n).param_fqn in reduced]
+    for node in reduction:
         tag = tag_of(node)
         role = Role.REDUCE_GRAD
         if _is_all_reduce(node) and tag.param_fqn in scattered:
             role = Role.REPLICATE_GRAD
         node.meta["custom"] = {**node.meta["custom"], **tag.as_meta(role)}
-    return len(untagged)
+    return len(reduction)

@@ -304,9 +304,13 @@ def our_collectives(graph: fx.Graph, kind: str | None = None) -> list[Collective
     return found
 
 
+def is_tangent(node: fx.Node) -> bool:
+    """An incoming gradient of a joint or backward graph: AOTAutograd names them ``tangents_*``."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
 def is_backward_graph(graph: fx.Graph) -> bool:
-    """AOTAutograd names a backward graph's incoming gradients ``tangents_*``."""
-    return any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
+    return any(is_tangent(n) for n in graph.find_nodes(op="placeholder"))
 
 
 def graph_name(graph: fx.Graph) -> str:

@@ -721,15 +721,16 @@ def test_what_is_computed_from_a_resharded_gather_alone_is_recomputed_too():
 def _backward_graph_with_forward_tags_only() -> tuple[fx.Graph, dict[str, fx.Node]]:
     """A backward graph as torch 2.11 leaves it: parameter ``w`` re-gathered (depends on
     its shard only), its gradient cast, reduce-scattered and all-reduced over a replicate
-    group (HSDP), parameter ``b`` replicated (its gradient all-reduced only); every node
-    of both reductions carries its gather's tag (role ``UNSHARD``), none a gradient tag."""
+    group (HSDP), parameter ``b`` replicated (its gradient all-reduced only), parameter ``c``
+    accumulated without sync (its gradient reduced nowhere); every node of those carries
+    its gather's tag (role ``UNSHARD``), none a gradient tag."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp_compile.passes.graph_utils import emit
     from fsdp_compile.runtime.vocabulary import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, aten
 
     graph, mode, nodes = fx.Graph(), FakeTensorMode(), {}
-    w_tag, b_tag = (CollectiveTag(Role.UNSHARD, name, "layers.0", True) for name in ("layers.0.w", "layers.0.b"))
+    w_tag, b_tag, c_tag = (CollectiveTag(Role.UNSHARD, f"layers.0.{n}", "layers.0", True) for n in ("w", "b", "c"))
 
     def placeholder(name, shape):
         node = nodes[name] = graph.placeholder(name)
@@ -749,14 +750,15 @@ def _backward_graph_with_forward_tags_only() -> tuple[fx.Graph, dict[str, fx.Nod
     grad_b = emit(graph, aten.sum.dim_IntList, (grad_out, [0]))
     nodes["b_all_reduce"] = emit(graph, ALL_REDUCE, (grad_b, "avg", "replicate"), tag=b_tag)
     nodes["b_all_reduce_wait"] = emit(graph, WAIT, (nodes["b_all_reduce"],), tag=b_tag)
-    graph.output((nodes["regather_wait"], nodes["w_all_reduce_wait"], nodes["b_all_reduce_wait"], b))
+    nodes["c_accumulated"] = emit(graph, aten.mul.Tensor, (grad_out, 2.0), tag=c_tag)  # no sync: nothing reduced
+    graph.output((nodes["regather_wait"], nodes["w_all_reduce_wait"], nodes["b_all_reduce_wait"], nodes["c_accumulated"], b))
     return graph, nodes
 
 
 def test_restore_backward_tags_gives_gradient_reductions_their_roles():
     """The reduction nodes get the gradient role they were traced under (all-reduces:
     REPLICATE_GRAD after a reduce-scatter, REDUCE_GRAD instead of one); the re-gather,
-    which depends on no tangent, keeps its gather tag; nodes, edges and order stay;
+    which depends on no tangent, and a gradient reduced nowhere keep their gather tag; nodes, edges and order stay;
     a graph that already has gradient tags is left alone."""
     from fsdp_compile.passes.backward_tags import restore_backward_tags
     from fsdp_compile.runtime.vocabulary import tag_of
@@ -770,6 +772,7 @@ def test_restore_backward_tags_gives_gradient_reductions_their_roles():
         "cast": Role.REDUCE_GRAD, "reduce_scatter": Role.REDUCE_GRAD, "reduce_scatter_wait": Role.REDUCE_GRAD,
         "w_all_reduce": Role.REPLICATE_GRAD, "w_all_reduce_wait": Role.REPLICATE_GRAD,
         "b_all_reduce": Role.REDUCE_GRAD, "b_all_reduce_wait": Role.REDUCE_GRAD,
+        "c_accumulated": Role.UNSHARD,  # as torch 2.13 leaves it
     }
     assert tag_of(nodes["reduce_scatter"]).param_fqn == "layers.0.w"
     assert [n.name for n in graph.nodes] == order

@@ -28,7 +28,7 @@ def _all_gathered_over_gloo(t: DTensor) -> torch.Tensor | None:
     rows) over one dimension of a gloo mesh; ``None`` for any other layout."""
     from torch.distributed.tensor import Shard
 
-    local = t._local_tensor
+    local = t.to_local()
     sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
     if type(local) is not torch.Tensor or len(sharded) > 1:
         return None
