@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from benchmarks import step_time
 from benchmarks._common import benchmark_parser, table_header
+from benchmarks._launches import is_wait, launches
 
 DEFAULT_SETUPS = ["unsharded-compiled", "ours-compiled", "ours-compiled-noreshard", "fsdp2-eager", "ours-eager"]
 COLUMNS = (
@@ -61,15 +62,11 @@ COLUMNS = (
 LAUNCH_COLUMNS = ("collective calls", "ops in graphs", "ops outside graphs")
 
 
-def _is_wait(name: str) -> bool:
-    return name in ("_c10d_functional::wait_tensor", "c10d::wait")
-
-
 CATEGORIES = {
     "forward graph": lambda n: n == "CompiledFunction",
     "backward graph": lambda n: n == "CompiledFunctionBackward",
-    "waits": _is_wait,
-    "collective issue": lambda n: n.startswith("_c10d_functional::") and not _is_wait(n),
+    "waits": is_wait,
+    "collective issue": lambda n: n.startswith("_c10d_functional::") and not is_wait(n),
     "bucket copies": lambda n: n.startswith("fsdp_compile::") and ("copy_in" in n or "copy_out" in n or n.endswith("pad_dim0")),
     "optimizer": lambda n: n.startswith(("Optimizer.step#", "Optimizer.zero_grad#")),
     "DTensor dispatch": lambda n: n == "PythonSubclass",
@@ -89,40 +86,6 @@ def _outermost_total_ms(events, match) -> float:
         if parent is None:
             total += e.cpu_time_total
     return total / 1e3
-
-
-def _has_ancestor(event, match) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if match(parent.name):
-            return True
-        parent = parent.cpu_parent
-    return False
-
-
-def _in_graph(event) -> bool:
-    return _has_ancestor(event, lambda name: name in ("CompiledFunction", "CompiledFunctionBackward"))
-
-
-def _is_op(name: str) -> bool:
-    return name.startswith(("aten::", "prims::", "fsdp_compile::", "_c10d_functional::", "c10d::"))
-
-
-def _is_collective(name: str) -> bool:
-    return name.startswith(("_c10d_functional::", "c10d::")) and not _is_wait(name)
-
-
-def launches(events: list) -> dict:
-    """CPU-side calls in a profiled step, every thread (autograd may run the backward
-    on one of its own): collective issues; ops the compiled graphs call (the outermost
-    op events inside them: extern kernels and our ops; Inductor's fused C++ kernels are
-    no profiler events); ops outside the graphs (optimizer, loss, gradient accumulation)."""
-    outermost = [e for e in events if _is_op(e.name) and not _has_ancestor(e, _is_op)]
-    return {
-        "collective calls": sum(1 for e in events if _is_collective(e.name) and not _has_ancestor(e, _is_collective)),
-        "ops in graphs": sum(1 for e in outermost if _in_graph(e)),
-        "ops outside graphs": sum(1 for e in outermost if not _in_graph(e)),
-    }
 
 
 def categorize(prof, step_s: float) -> dict:

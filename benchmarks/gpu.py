@@ -259,22 +259,28 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i in range(steps):
+    def step():
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        sync(device)
-        start = time.perf_counter()
         loss = step_fn(input_ids=tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    times, losses = [], []
+    for i in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        loss = step()
         sync(device)
         times.append(time.perf_counter() - start)
         if i < 3:
-            losses.append(loss.detach().float().item())
+            losses.append(loss.float().item())
         del loss
+    calls = count_calls(step, device)
     result = {
+        "calls": calls,
         "first": times[0],
         "median": statistics.median(times[1:]),
         "peak": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
@@ -285,6 +291,21 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
     }
     del step_fn, opt, model
     return result
+
+
+def count_calls(step, device) -> dict:
+    """One more step under ``torch.profiler``: its CPU-side calls (see
+    ``benchmarks._launches.launches``; kernel launches need CUDA activity)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks._launches import launches
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    return launches(list(prof.events()))
 
 
 def free(device) -> None:
@@ -345,16 +366,28 @@ def table(world: str, size: str, cfg: dict, n_params: int, args, rows: dict, nam
         f"**{world} / {size}**: {describe_world(world)}; transformers Llama, {millions(n_params)} parameters "
         f"({cfg['layers']} layers, hidden {cfg['dim']}, {cfg['heads']} heads, intermediate {cfg['ffn']}, vocab {cfg['vocab']}), "
         f"batch {cfg['batch']} x seq {cfg['seq']}, bf16, SDPA, AdamW; median of {args.steps - 1} steps after the first "
-        "(first step: compile included, Inductor's on-disk caches on).",
+        "(first step: compile included, Inductor's on-disk caches on); CPU-side calls of one more step, profiled "
+        "(collective issues, CUDA kernel and graph launches, ops outside the compiled graphs).",
         "",
-        table_header("setup", "median step (ms)", "x limit", "first step (s)", "peak (GiB)", "graphs", "losses (first 3)"),
+        table_header(
+            "setup",
+            "median step (ms)",
+            "x limit",
+            "first step (s)",
+            "peak (GiB)",
+            "graphs",
+            "losses (first 3)",
+            "collectives",
+            "kernel launches",
+            "ops outside graphs",
+        ),
     ]
     limit = rows.get(LIMIT, {}).get("median")
     for name in names:
         row = rows[name]
         if "error" in row or "skipped" in row:
             text = row.get("error") or row["skipped"]
-            lines.append(f"| {name} | {text.replace('|', '/')} | - | - | - | - | - |")
+            lines.append(f"| {name} | {text.replace('|', '/')} | - | - | - | - | - | - | - | - |")
             continue
         ratio = f"{row['median'] / limit:.2f}" if limit else "-"
         peak = "n/a" if row["peak"] is None else f"{row['peak']:.2f}"
@@ -363,7 +396,12 @@ def table(world: str, size: str, cfg: dict, n_params: int, args, rows: dict, nam
             graphs += f" (CUDA graphs skipped in {row['cudagraph_skips']})"
         mark = "*" if fake and SETUPS[name][0] != "unsharded" else ""
         losses = ", ".join(f"{v:.4f}{mark}" for v in row["losses"])
-        lines.append(f"| {name} | {row['median'] * 1e3:.1f} | {ratio} | {row['first']:.1f} | {peak} | {graphs} | {losses} |")
+        calls = row["calls"]
+        launched = calls["kernel launches"] if args.device == "cuda" else "n/a"
+        lines.append(
+            f"| {name} | {row['median'] * 1e3:.1f} | {ratio} | {row['first']:.1f} | {peak} | {graphs} | {losses} "
+            f"| {calls['collective calls']} | {launched} | {calls['ops outside graphs']} |"
+        )
     if fake:
         lines += [
             "",
