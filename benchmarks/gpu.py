@@ -259,7 +259,8 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    def step():
+
+    def step(step_fn=step_fn, opt=opt):
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         loss = step_fn(input_ids=tokens, labels=tokens, use_cache=False).loss
@@ -289,14 +290,13 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
         "losses": losses,
         "model_ref": weakref.ref(model),
     }
-    del step_fn, opt, model
+    del step, step_fn, opt, model
     return result
 
 
 def count_calls(step, device) -> dict:
     """One more step under ``torch.profiler``: its CPU-side calls (see
     ``benchmarks._launches.launches``; kernel launches need CUDA activity)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks._launches import launches
