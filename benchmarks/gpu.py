@@ -260,20 +260,25 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
-    def step(step_fn=step_fn, opt=opt):
+    def step(step_fn=step_fn, opt=opt, phases=None):
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
+        start = time.perf_counter()
         loss = step_fn(input_ids=tokens, labels=tokens, use_cache=False).loss
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if phases is not None:  # CPU time per phase, no synchronization in between
+            phases.append((forward - start, backward - forward, time.perf_counter() - backward))
         return loss.detach()
 
-    times, losses = [], []
+    times, losses, phases = [], [], []
     for i in range(steps):
         sync(device)
         start = time.perf_counter()
-        loss = step()
+        loss = step(phases=phases if i else None)
         sync(device)
         times.append(time.perf_counter() - start)
         if i < 3:
@@ -284,6 +289,7 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
         "calls": calls,
         "first": times[0],
         "median": statistics.median(times[1:]),
+        "phases": [statistics.median(p) for p in zip(*phases, strict=True)],
         "peak": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"] - graphs0 if compiled else None,
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips0 if cudagraphs else 0,
@@ -402,6 +408,15 @@ def table(world: str, size: str, cfg: dict, n_params: int, args, rows: dict, nam
             f"| {name} | {row['median'] * 1e3:.1f} | {ratio} | {row['first']:.1f} | {peak} | {graphs} | {losses} "
             f"| {calls['collective calls']} | {launched} | {calls['ops outside graphs']} |"
         )
+    lines += [
+        "",
+        "CPU time of each phase (median over the timed steps, ms; no synchronization between phases, so a phase "
+        "that waits for the GPU shows it): "
+        + "; ".join(
+            f"{name} {' / '.join(f'{t * 1e3:.1f}' for t in rows[name]['phases'])}" for name in names if "phases" in rows[name]
+        )
+        + " (forward / backward / optimizer).",
+    ]
     if fake:
         lines += [
             "",
