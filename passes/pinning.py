@@ -7,8 +7,11 @@ design, so it moves each issue down next to its wait and the overlap is
 gone. This pass turns the schedule the reordering pass chose into
 dependencies, with Inductor's ``control_deps``:
 
-* the first compute node after a collective's issue runs after the issue;
-* the wait runs after the last compute node before it;
+* the first compute node after a collective's issue runs after the issue, and so
+  does the first one Inductor keeps as a kernel of its own (a matmul, say: a
+  pointwise node may be fused into a later kernel, and its edge is then lost);
+* the wait runs after the last compute node before it, and after the last one
+  Inductor keeps as a kernel of its own;
 * reduce-scatter ``k + depth`` is issued after reduce-scatter ``k``'s wait
   (the in-flight bound);
 * every collective in the graph (ours or not) is issued after the one
@@ -28,11 +31,18 @@ import logging
 
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile._compat import preserve_node_ordering
 from fsdp_compile.runtime.vocabulary import is_aten_kernel, is_collective_issue, is_view, our_collectives, positions, tag_of
 
 log = logging.getLogger("fsdp_compile.passes.pinning")
+
+#: Attention kernels without a ``torch.utils.flop_counter`` formula (CPU's).
+_CPU_ATTENTION_OPS = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
 
 
 def _is_compute(node: fx.Node) -> bool:
@@ -41,6 +51,27 @@ def _is_compute(node: fx.Node) -> bool:
     if not is_aten_kernel(node) or is_view(node) or tag_of(node) is not None:
         return False
     return any(isinstance(i.meta.get("val"), torch.Tensor) for i in node.all_input_nodes)
+
+
+def _is_own_kernel(node: fx.Node) -> bool:
+    """Compute that Inductor never inlines into another kernel: a matmul, convolution or
+    attention (an extern kernel or a template of its own), or a custom op (a fallback
+    kernel). A pointwise or reduction node may be fused into its users' kernel, and the
+    lowering of ``control_deps`` then has no operation to put the edge on: the edge is lost."""
+    if not _is_compute(node):
+        return False
+    target = node.target
+    return target.namespace != "aten" or target.overloadpacket in flop_registry or target in _CPU_ATTENTION_OPS
+
+
+def _first_and_last_anchors(nodes: list[fx.Node], between: list[int]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The compute nodes that pin a collective's overlap: the first and the last between
+    its issue and its wait, and the first and the last of those Inductor keeps as kernels
+    of their own (see :func:`_is_own_kernel`), whose edges survive lowering."""
+    own = [i for i in between if _is_own_kernel(nodes[i])]
+    first = {nodes[between[0]]} | ({nodes[own[0]]} if own else set())
+    last = {nodes[between[-1]]} | ({nodes[own[-1]]} if own else set())
+    return first, last
 
 
 def schedule_constraints(
@@ -61,8 +92,11 @@ def schedule_constraints(
         lo, hi = position[c.issue], position[c.wait]
         between = [i for i in compute_positions if lo < i < hi]
         if between:
-            add(nodes[between[0]], c.issue)
-            add(c.wait, nodes[between[-1]])
+            after_issue, before_wait = _first_and_last_anchors(nodes, between)
+            for node in after_issue:
+                add(node, c.issue)
+            for node in before_wait:
+                add(c.wait, node)
     reduce_scatters = our_collectives(graph, "reduce_scatter")
     for k in range(len(reduce_scatters) - reduce_scatter_depth):
         add(reduce_scatters[k + reduce_scatter_depth].issue, reduce_scatters[k].wait)

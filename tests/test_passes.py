@@ -419,6 +419,45 @@ def test_pinning_constraints_follow_the_schedule():
         assert earlier in deps[later], "collective issue order is not pinned"
 
 
+def test_pinning_anchors_the_overlap_on_kernels_inductor_keeps():
+    """A pointwise node right after an issue may be fused into a later kernel, and the
+    lowering of ``control_deps`` then drops its edge: Inductor moved the backward's first
+    re-gather of a transformers Llama below the LM head's matmuls that way (no compute
+    between its issue and wait). The first and the last matmul between issue and wait
+    are pinned too; compute outside that window is not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.graph_utils import emit
+    from fsdp_compile.runtime.vocabulary import ALL_GATHER, WAIT, aten
+
+    graph = fx.Graph()
+    mode = FakeTensorMode()
+
+    def placeholder(name, shape):
+        node = graph.placeholder(name)
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+        return node
+
+    shard, x, w = placeholder("shard", (3, 4)), placeholder("x", (2, 4)), placeholder("w", (4, 4))
+    tag = CollectiveTag(Role.UNSHARD, "u.weight", "u", True)
+    before = emit(graph, aten.mm.default, (x, w))
+    issue = emit(graph, ALL_GATHER, (shard, 2, "0"), tag=tag)
+    pointwise = emit(graph, aten.relu.default, (before,))
+    first_mm = emit(graph, aten.mm.default, (pointwise, w))
+    last_mm = emit(graph, aten.mm.default, (first_mm, w))
+    tail = emit(graph, aten.add.Tensor, (last_mm, 1.0))
+    wait = emit(graph, WAIT, (issue,), tag=tag)
+    after = emit(graph, aten.mm.default, (tail, w))
+    graph.output((wait, after))
+
+    deps = schedule_constraints(graph)
+    assert issue in deps[pointwise] and issue in deps[first_mm]
+    assert issue not in deps.get(last_mm, []) and issue not in deps.get(after, [])
+    assert set(deps[wait]) == {tail, last_mm}
+    assert before not in deps and after not in deps
+
+
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float64])
 def test_passes_keep_results_bitwise_on_two_ranks(pool2, bias_dtype):
     for rank, results in enumerate(pool2.run(outputs_before_and_after_passes, bias_dtype)):

@@ -230,3 +230,47 @@ def test_gloo_all_to_all_keeps_the_schedule_and_the_bytes(pool2):
         ]
     assert default["backward"][-1].kind == "reduce_scatter"
     _assert_overlapped_but_first_and_last(lowered[0], last_reduce_scatter=lowered[0]["backward"][-1])
+
+
+def llama_step_code() -> list[str]:
+    """On every rank: Inductor's forward and backward code for a ``transformers`` Llama
+    (four decoder layers; the embedding, final norm and untied head in the root) sharded
+    per layer, its loss (from ``labels``) in the compiled graph."""
+    from torch._inductor.utils import run_and_get_code
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp_compile import config, fully_shard
+
+    hf_config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config)
+    shard_blocks(model, fully_shard, blocks=model.model.layers)
+    tokens = torch.randint(0, 256, (2, 64))
+    with config.patch(gloo_all_to_all=False):  # gloo's own collectives: the code names their kinds
+        compiled = torch.compile(model)
+        _, codes = run_and_get_code(lambda: compiled(input_ids=tokens, labels=tokens).loss.backward())
+    return codes
+
+
+def test_the_backward_overlaps_its_first_regather_with_the_head(pool2):
+    """The root's head runs first in the backward: its matmuls are the compute the first
+    re-gather (the last layer's weights) can hide behind, and they are between its issue
+    and wait in Inductor's code (the backward starts with the loss's pointwise ops, which
+    Inductor fuses into later kernels: pinned only to them, the issue sank below the
+    head's matmuls). Every collective but the forward's first all-gather and
+    the backward's last reduce-scatter has compute between issue and wait."""
+    forward_code, backward_code = pool2.run(llama_step_code)[0]
+    s = {"forward": collectives_in_output_code(forward_code), "backward": collectives_in_output_code(backward_code)}
+    first_regather = _of(s["backward"], "all_gather")[0]
+    assert any(k.startswith("extern_kernels.mm") for k in first_regather.compute_between), first_regather
+    _assert_overlapped_but_first_and_last(s)
