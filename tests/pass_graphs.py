@@ -20,6 +20,14 @@ from fsdp_compile.runtime.vocabulary import ALL_GATHER, REDUCE_SCATTER, WAIT, at
 DIM, BATCH = 6, 3
 
 
+def fake_placeholder(graph: fx.Graph, mode: FakeTensorMode, name: str, shape, dtype=torch.float32) -> fx.Node:
+    """A graph input with a fake value of ``shape`` (what passes read as ``meta["val"]``)."""
+    node = graph.placeholder(name)
+    with mode:
+        node.meta["val"] = torch.empty(shape, dtype=dtype)
+    return node
+
+
 def build_unit_graph(
     world_size: int,
     rank: int,
@@ -39,11 +47,8 @@ def build_unit_graph(
     input_shapes = []
 
     def placeholder(name: str, shape, dtype=torch.float32) -> fx.Node:
-        node = graph.placeholder(name)
-        with mode:
-            node.meta["val"] = torch.empty(shape, dtype=dtype)
         input_shapes.append(tuple(shape))
-        return node
+        return fake_placeholder(graph, mode, name, shape, dtype)
 
     def unshard(shard: fx.Node, layout: ShardLayout, unit: str, name: str) -> fx.Node:
         tag = CollectiveTag(Role.UNSHARD, f"{unit}.{name}", unit, True, hints.get(unit))

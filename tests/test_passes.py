@@ -192,7 +192,7 @@ from fsdp_compile.passes.bucketing import bucket_collectives, plan_buckets  # no
 from fsdp_compile.passes.pinning import schedule_constraints  # noqa: E402
 from fsdp_compile.passes.reordering import reorder_for_overlap, tail_of  # noqa: E402
 from fsdp_compile.runtime.vocabulary import our_collectives, positions  # noqa: E402
-from tests.pass_graphs import build_unit_graph, node_signature  # noqa: E402
+from tests.pass_graphs import build_unit_graph, fake_placeholder, node_signature  # noqa: E402
 
 N_UNITS = 3
 
@@ -434,10 +434,7 @@ def test_pinning_anchors_the_overlap_on_kernels_inductor_keeps():
     mode = FakeTensorMode()
 
     def placeholder(name, shape):
-        node = graph.placeholder(name)
-        with mode:
-            node.meta["val"] = torch.empty(shape)
-        return node
+        return fake_placeholder(graph, mode, name, shape)
 
     shard, x, w = placeholder("shard", (3, 4)), placeholder("x", (2, 4)), placeholder("w", (4, 4))
     tag = CollectiveTag(Role.UNSHARD, "u.weight", "u", True)
@@ -515,10 +512,7 @@ def _graph_with_a_foreign_collective_between_two_units():
     graph, mode = fx.Graph(), FakeTensorMode()
 
     def placeholder(name, shape):
-        node = graph.placeholder(name)
-        with mode:
-            node.meta["val"] = torch.empty(shape)
-        return node
+        return fake_placeholder(graph, mode, name, shape)
 
     x, wa, wb = placeholder("x", (64, 64)), placeholder("wa", (32, 64)), placeholder("wb", (32, 64))
 
