@@ -481,3 +481,36 @@ def test_forward_context_records_each_forwards_execution_mode(fake_pg):
     torch.compile(model, backend="aot_eager")(torch.randn(2, 16))
     assert seen.pop() == ([traced], eager, True)
     assert forward_context.frame_modes == [] and forward_context.depth == 0
+
+
+def test_shards_enter_the_graph_as_static_inputs(fake_pg):
+    """What CUDA graphs (``mode="reduce-overhead"``) need to replay a step without copying
+    the parameters into their memory pool: the plain aliases of the shards that the
+    gathers read are static inputs of the compiled forward, as parameters are; the batch
+    is not."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._guards import TracingContext
+
+    from fsdp_compile._fully_shard import managed_params
+
+    def static_and_dynamic_inputs(model, x):
+        seen = {}
+
+        def forward_compiler(gm, example_inputs):
+            static = set(TracingContext.get().fw_metadata.static_input_indices)
+            seen["static"] = [t for i, t in enumerate(example_inputs) if i in static]
+            seen["dynamic"] = [t for i, t in enumerate(example_inputs) if i not in static]
+            return make_boxed_func(gm)
+
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm))
+        torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+        return seen
+
+    model = shard_blocks(MLPStack(dim=16, n_layers=2))
+    shards = [p.local_view for p in managed_params(model)]
+    seen = static_and_dynamic_inputs(model, torch.randn(3, 16))
+    # The compiler sees fake tensors: inputs are told apart by shape ((2, 16) shards, a (3, 16) batch).
+    assert sorted(tuple(t.shape) for t in seen["static"]) == sorted(tuple(s.shape) for s in shards) == [(2, 16)] * 2
+    assert [tuple(t.shape) for t in seen["dynamic"]] == [(3, 16)]
