@@ -270,13 +270,17 @@ def state_dict_view(shard_with: str, checkpoint_dir: str) -> dict:
         state = model.state_dict()
         name = next(n for n, p in model.named_parameters() if type(p._local_tensor) is not torch.Tensor)
         full = state[name].full_tensor()
+        # Read at once: full_tensor()'s all-gather is asynchronous, and one left in flight
+        # over gloo while DCP issues its own collectives corrupted a rank's heap in CI
+        # (gloo's coalesced all-gather; README, Limitations).
+        full_values = full.to(torch.float32)
         dcp.save(state, checkpoint_id=f"{checkpoint_dir}/{shard_with}-{kind}")
         fresh = build(seed=1)
         shard_layers(fresh, fully_shard)
         loaded = fresh.state_dict()
-        before = torch.equal(loaded[name].full_tensor().to(torch.float32), full.to(torch.float32))
+        before = torch.equal(loaded[name].full_tensor().to(torch.float32), full_values)
         dcp.load(loaded, checkpoint_id=f"{checkpoint_dir}/{shard_with}-{kind}")
-        same = not before and torch.equal(loaded[name].full_tensor().to(torch.float32), full.to(torch.float32))
+        same = not before and torch.equal(loaded[name].full_tensor().to(torch.float32), full_values)
         view[kind] = (
             type(state[name]).__name__,
             type(state[name]._local_tensor).__name__,
