@@ -169,12 +169,7 @@ class _AliasOfLocalTensor(torch.autograd.Function):
     def backward(ctx, grad):
         from torch.distributed.tensor import DTensor
 
-        spec = ctx.spec
-        if grad.dtype != spec.tensor_meta.dtype:  # not seen: autograd casts to the input's dtype
-            return DTensor.from_local(
-                grad, spec.mesh, spec.placements, run_check=False, shape=spec.tensor_meta.shape, stride=spec.tensor_meta.stride
-            )
-        return DTensor(grad, spec, requires_grad=False)
+        return DTensor(grad, ctx.spec, requires_grad=False)
 
 
 def alias_of_local_tensor(dtensor) -> torch.Tensor:

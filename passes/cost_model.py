@@ -123,14 +123,17 @@ def _concrete_value(x, notes: set):
     return x
 
 
+def counts_flops(target) -> bool:
+    """Whether :func:`node_flops` counts FLOPs for this op: matmuls, convolutions, attention."""
+    return target.overloadpacket in flop_registry or target in (_CPU_ATTENTION, _CPU_ATTENTION_BACKWARD)
+
+
 def node_flops(node: fx.Node, notes: set) -> int:
     """FLOPs of a node, by ``torch.utils.flop_counter``'s formulas (0 for ops it has none for)."""
-    if not is_aten_kernel(node):
+    if not is_aten_kernel(node) or not counts_flops(node.target):
         return 0
     target = node.target
     formula = flop_registry.get(target.overloadpacket)
-    if formula is None and target not in (_CPU_ATTENTION, _CPU_ATTENTION_BACKWARD):
-        return 0
     args, kwargs = _concrete_value(fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val")), notes)
     if target is _CPU_ATTENTION:
         return sdpa_flop_count(*(t.shape for t in args[:3]))

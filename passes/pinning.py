@@ -31,18 +31,12 @@ import logging
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
 
 from fsdp_compile._compat import preserve_node_ordering
+from fsdp_compile.passes.cost_model import counts_flops
 from fsdp_compile.runtime.vocabulary import is_aten_kernel, is_collective_issue, is_view, our_collectives, positions, tag_of
 
 log = logging.getLogger("fsdp_compile.passes.pinning")
-
-#: Attention kernels without a ``torch.utils.flop_counter`` formula (CPU's).
-_CPU_ATTENTION_OPS = (
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-)
 
 
 def _is_compute(node: fx.Node) -> bool:
@@ -60,18 +54,17 @@ def _is_own_kernel(node: fx.Node) -> bool:
     lowering of ``control_deps`` then has no operation to put the edge on: the edge is lost."""
     if not _is_compute(node):
         return False
-    target = node.target
-    return target.namespace != "aten" or target.overloadpacket in flop_registry or target in _CPU_ATTENTION_OPS
+    return node.target.namespace != "aten" or counts_flops(node.target)
 
 
-def _first_and_last_anchors(nodes: list[fx.Node], between: list[int]) -> tuple[set[fx.Node], set[fx.Node]]:
+def _first_and_last_anchors(nodes: list[fx.Node], between: list[int]) -> tuple[list[fx.Node], list[fx.Node]]:
     """The compute nodes that pin a collective's overlap: the first and the last between
     its issue and its wait, and the first and the last of those Inductor keeps as kernels
     of their own (see :func:`_is_own_kernel`), whose edges survive lowering."""
     own = [i for i in between if _is_own_kernel(nodes[i])]
-    first = {nodes[between[0]]} | ({nodes[own[0]]} if own else set())
-    last = {nodes[between[-1]]} | ({nodes[own[-1]]} if own else set())
-    return first, last
+    first = [between[0], *own[:1]]
+    last = [between[-1], *own[-1:]]
+    return [nodes[i] for i in dict.fromkeys(first)], [nodes[i] for i in dict.fromkeys(last)]
 
 
 def schedule_constraints(
