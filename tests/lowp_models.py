@@ -255,8 +255,14 @@ def train_float8(backend: str | None, precompute: bool, steps: int = 3) -> dict:
 
 def state_dict_view(shard_with: str, checkpoint_dir: str) -> dict:
     """What a user's checkpoint code sees of the low-precision parameters, sharded by our
-    ``fully_shard`` or FSDP2's: the state dict's types, ``full_tensor()``, and a DCP save
-    and load into a fresh sharded model (values compared after the load)."""
+    ``fully_shard`` or FSDP2's: the state dict's types, ``full_tensor()`` (float8 only, see
+    below), and a DCP save and load into a fresh sharded model (each rank's shard compared,
+    dequantized, after the load).
+
+    ``full_tensor()`` of an NF4 shard is not called here: it issues three asynchronous
+    all-gathers (one per inner tensor) before waiting for any, and over gloo two in flight
+    race in its coalesced all-gather (README, Limitations); a rank died of SIGSEGV or heap
+    corruption in about half of the full runs of 2026-11-28. NCCL has no such race."""
     import torch.distributed.checkpoint as dcp
 
     if shard_with == "ours":
@@ -269,25 +275,20 @@ def state_dict_view(shard_with: str, checkpoint_dir: str) -> dict:
         shard_layers(model, fully_shard)
         state = model.state_dict()
         name = next(n for n, p in model.named_parameters() if type(p._local_tensor) is not torch.Tensor)
-        full = state[name].full_tensor()
-        # Read at once: full_tensor()'s all-gather is asynchronous, and one left in flight
-        # over gloo while DCP issues its own collectives corrupted a rank's heap in CI
-        # (gloo's coalesced all-gather; README, Limitations).
-        full_values = full.to(torch.float32)
+        if kind == "float8":
+            full = state[name].full_tensor()
+            full_view = (type(full).__name__, tuple(full.shape))  # read at once: nothing left in flight
+        else:
+            full_view = ("not gathered over gloo", tuple(state[name].shape))
+        saved = state[name]._local_tensor.to(torch.float32)
         dcp.save(state, checkpoint_id=f"{checkpoint_dir}/{shard_with}-{kind}")
         fresh = build(seed=1)
         shard_layers(fresh, fully_shard)
         loaded = fresh.state_dict()
-        before = torch.equal(loaded[name].full_tensor().to(torch.float32), full_values)
+        before = torch.equal(loaded[name]._local_tensor.to(torch.float32), saved)
         dcp.load(loaded, checkpoint_id=f"{checkpoint_dir}/{shard_with}-{kind}")
-        same = not before and torch.equal(loaded[name].full_tensor().to(torch.float32), full_values)
-        view[kind] = (
-            type(state[name]).__name__,
-            type(state[name]._local_tensor).__name__,
-            type(full).__name__,
-            tuple(full.shape),
-            same,
-        )
+        same = not before and torch.equal(loaded[name]._local_tensor.to(torch.float32), saved)
+        view[kind] = (type(state[name]).__name__, type(state[name]._local_tensor).__name__, *full_view, same)
     return view
 
 
