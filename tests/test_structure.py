@@ -487,7 +487,8 @@ def test_shards_enter_the_graph_as_static_inputs(fake_pg):
     """What CUDA graphs (``mode="reduce-overhead"``) need to replay a step without copying
     the parameters into their memory pool: the plain aliases of the shards that the
     gathers read are static inputs of the compiled forward, as parameters are; the batch
-    is not."""
+    is not. (Dynamo counts them static here even without ``mark_as_parameter_input``,
+    which also gives them static addresses: the test holds the property, not the call.)"""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._guards import TracingContext
