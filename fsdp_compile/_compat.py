@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Callable
 
 import torch
@@ -156,26 +157,43 @@ class _AliasOfLocalTensor(torch.autograd.Function):
     _ToTorchTensorBackward is a view and its base ... has been modified inplace").
     Backward: the gradient as a ``DTensor`` of the parameter's placements, as ``to_local``'s:
     the parameter's own spec (mesh, placements, global shape, stride and dtype: what
-    ``from_local`` would build again) around the gradient, with the constructor
-    ``DTensor``'s ops use. It runs once per parameter per step, and ``from_local``
-    (an autograd ``Function`` of its own, with argument checks) cost ~70 us a call."""
+    ``from_local`` would build again) around the gradient. It runs once per parameter per
+    step: ``from_local`` (an autograd ``Function`` of its own, with argument checks) cost
+    ~70 us a call, and ``DTensor(...)`` goes through two wrappers of an ``__init__`` that
+    only matters to ``torch.export`` (torch/distributed/tensor/_api.py), so the gradient is
+    made by ``DTensor.__new__`` itself. If the parameter no longer requires a gradient,
+    ``when_frozen`` is called first (autograd then drops the gradient, as it does for any
+    leaf that stopped requiring one)."""
 
     @staticmethod
-    def forward(ctx, dtensor):
+    def forward(ctx, dtensor, when_frozen):
         ctx.spec = dtensor._spec
+        ctx.param = weakref.ref(dtensor)
+        ctx.when_frozen = when_frozen
         return dtensor._local_tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.distributed.tensor import DTensor
+        if ctx.when_frozen is not None:
+            param = ctx.param()
+            if param is not None and not param.requires_grad:
+                ctx.when_frozen()
+        dtensor = _dtensor_class()
+        return dtensor.__new__(dtensor, grad, ctx.spec, requires_grad=False), None
 
-        return DTensor(grad, ctx.spec, requires_grad=False)
+
+@functools.cache
+def _dtensor_class() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
-def alias_of_local_tensor(dtensor) -> torch.Tensor:
+def alias_of_local_tensor(dtensor, when_frozen=None) -> torch.Tensor:
     """A plain tensor over ``dtensor``'s local storage whose gradient flows back to
-    ``dtensor`` (see :class:`_AliasOfLocalTensor`)."""
-    return _AliasOfLocalTensor.apply(dtensor)
+    ``dtensor`` (see :class:`_AliasOfLocalTensor`); ``when_frozen()`` is called by a
+    backward that finds ``dtensor`` no longer requiring a gradient."""
+    return _AliasOfLocalTensor.apply(dtensor, when_frozen)
 
 
 def mark_as_parameter_input(t: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +59,25 @@ class ParamState(enum.Enum):
     GATHERED = "gathered"
     #: Gathered without autograd by ``FSDPModule.unshard()``, until ``reshard()``.
     HELD = "held"
+
+
+def _requires_grad_followers(fsdp_param: FSDPParam):
+    """``(follow, follow_when_traced)``: a function that makes ``fsdp_param.local_view``
+    again if the sharded parameter's ``requires_grad`` changed since it was made (see
+    [Note: traced reads without the DTensor]), and the same function as Dynamo calls it:
+    once, at trace time, its result a constant (``torch.compiler.assume_constant_result``:
+    no guard, nothing in the graph). Each holds the parameter weakly."""
+    ref = weakref.ref(fsdp_param)
+
+    def follow() -> None:
+        param = ref()
+        if param is not None and param.local_view.requires_grad != param.sharded_param.requires_grad:
+            param.refresh_local_view()
+
+    def follow_when_traced() -> None:
+        follow()
+
+    return follow, torch.compiler.assume_constant_result(follow_when_traced)
 
 
 class FSDPParam:
@@ -109,6 +129,7 @@ class FSDPParam:
             if not key.startswith("_fsdp"):
                 setattr(self.sharded_param, key, value)
         route_forward_hooks_to_local_shard(self.sharded_param, local_fqn)
+        self._follow_requires_grad, self.follow_requires_grad_when_traced = _requires_grad_followers(self)
         self.local_view: torch.Tensor  # see [Note: plain graph inputs]
         self.refresh_local_view()
         self.state = ParamState.SHARDED
@@ -128,6 +149,9 @@ class FSDPParam:
         # Whether a traced gather reads :attr:`local_view` itself: nothing to move to the
         # compute device, no shard dim to move first.
         self._reads_local_view_as_is = not unit.devices.offload_to_cpu and (not shard_dim or self.layout is None)
+        # Whether a traced read of this trainable parameter needs nothing but
+        # :attr:`local_view` (see [Note: traced reads without the DTensor]).
+        self.traced_read_needs_local_view_only = self._reads_local_view_as_is and tp is None and not self.extension
 
     def _shard(self, data: torch.Tensor, shard_dim: int) -> tuple[ShardLayout | None, torch.Tensor]:
         """This rank's shard of ``data`` and its layout. A tensor subclass with FSDP2's
@@ -206,7 +230,7 @@ class FSDPParam:
             warn_gathered_in_broken_graph(self)
         if self.extension:
             return self._note_gathered(self._gather_with_extension(sharded_param, traced))
-        if traced and self._reads_local_view_as_is and self.local_view.requires_grad == sharded_param.requires_grad:
+        if traced and self._reads_local_view_as_is and (sharded_param is None or self.local_view.requires_grad == sharded_param.requires_grad):
             local = self.local_view  # the common traced case: what _gather_input returns, in fewer steps
         else:
             local = self._gather_input(sharded_param)
@@ -258,7 +282,9 @@ class FSDPParam:
 
     def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
-        self.kept = None if self.unit.reshard_after_backward else full.detach()
+        kept = None if self.unit.reshard_after_backward else full.detach()
+        if kept is not None or self.kept is not None:  # traced: no store to replay after the graph
+            self.kept = kept
         self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
         self.state = ParamState.GATHERED
         forward_context.frames[-1].append(self)  # the innermost running forward drops it when it returns
@@ -304,13 +330,27 @@ class FSDPParam:
     # gradient reaches the parameter's ``.grad`` through autograd's own accumulation and
     # hooks, as before (once the compiled backward returns it: that edge is older than
     # any node of the step, so autograd runs it after the step's other ready nodes).
+    # [Note: traced reads without the DTensor] A traced read of a trainable parameter (no
+    # tensor parallelism, no all-gather extension) touches neither the sharded ``DTensor``
+    # nor ``module._parameters``: Dynamo would guard each ``DTensor`` it sees (its spec
+    # through a Python lambda, its mesh's identity, its aliases), ~15 us a parameter at
+    # every call of the compiled model. What it needs of the ``DTensor`` is whether it still
+    # requires a gradient, and :attr:`local_view` says so, kept true by
+    # :func:`_requires_grad_followers`: at trace time (``requires_grad`` changed since the
+    # view was made: a new view, which Dynamo's guard on the view's ``requires_grad``
+    # then covers), and by the backward of a parameter frozen since the last trace
+    # (autograd drops that gradient, the new view makes the next call recompile: as the
+    # unsharded model, one step later). A frozen parameter's read still goes through the
+    # ``DTensor``, whose guard sees it unfrozen. ``module._parameters`` is swapped for local
+    # tensors only by tensor-parallel code (``transformers``' local-kernel paths), which
+    # reads go through the ``DTensor`` (see ``_fully_shard._read_managed``).
     def refresh_local_view(self) -> None:
         """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
         if self.extension:  # what a traced gather's hooks read (see [Note: side tensors of a traced gather])
             self.extension_source = local_tensor_of(self.sharded_param).detach()
         with torch.enable_grad():  # its autograd edge to the sharded parameter is the point
-            self.local_view = alias_of_local_tensor(self.sharded_param)
+            self.local_view = alias_of_local_tensor(self.sharded_param, self._follow_requires_grad)
         mark_as_parameter_input(self.local_view)
 
     def _local_shard(self, sharded_param: nn.Parameter) -> torch.Tensor:

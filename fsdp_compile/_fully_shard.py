@@ -576,12 +576,19 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     (``transformers``' tensor-parallel MoE experts do). Under FSDP2 the registered
     parameter there is the unsharded one, so the module computes with the gathered
     parameter's local tensor; a read that finds the registered entry swapped for a plain
-    tensor during a sharded forward returns just that."""
+    tensor during a sharded forward returns just that. Only tensor-parallel parameters
+    are swapped so: a traced read of any other trainable parameter reads neither the
+    entry nor the ``DTensor`` (see ``_fsdp_param``'s [Note: traced reads without the
+    DTensor])."""
     fsdp_param = module._fsdp_params[name]
     if fsdp_param.state is not ParamState.SHARDED:
         # Gathered already. Checked before computing with the sharded DTensor, so a
         # checkpointed region (a subgraph under compile) takes only this plain tensor.
         return _local_if_swapped(fsdp_param.gathered, module._parameters[name])
+    if mode is ExecutionMode.TRACED and forward_context.frames and fsdp_param.traced_read_needs_local_view_only:
+        fsdp_param.follow_requires_grad_when_traced()
+        if fsdp_param.local_view.requires_grad:  # see [Note: traced reads without the DTensor]
+            return allow_side_effects(fsdp_param.gather, None, mode)
     param = module._parameters[name]
     if not forward_context.frames:  # no sharded forward running
         if mode is not ExecutionMode.TRACED and in_backward_recompute():

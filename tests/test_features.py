@@ -326,6 +326,42 @@ def forward_without_backward_then_train(backend: str | None, name: str = "mlp", 
     return out
 
 
+def requires_grad_changes_follow_the_unsharded_model(kind: str, backend: str | None, steps: int = 6) -> dict:
+    """Freezing and unfreezing parameters around compiled steps, as fine-tuning does: the
+    first layer's attention and the embedding frozen after ``fully_shard`` and before
+    the first step, one MLP weight of the second layer frozen before step 2, the
+    attention and the embedding unfrozen again before step 4. Per step: the loss and
+    which parameters got a gradient; then the full parameters and the graphs compiled.
+    ``kind`` ``"reference"``: the unsharded model on the global batch, same compile."""
+    model, units = build("llama")
+    if kind != "reference":
+        _shard(units, kind)
+    run, counter = compile_counting_graphs(model, backend)
+    first_frozen = [*model.layers[0].attention.parameters(), *model.tok_embeddings.parameters()]
+    for p in first_frozen:
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    names = {p: n for n, p in model.named_parameters()}
+    losses, with_grad = [], []
+    for step in range(steps):
+        if step == 2:
+            model.layers[1].feed_forward.w1.weight.requires_grad = False
+        if step == 4:
+            for p in first_frozen:
+                p.requires_grad_(True)
+        x, y = batch("llama", step)
+        if kind != "reference":
+            x, y = _local(x), _local(y)
+        loss = loss_fn("llama", run(x), y)
+        loss.backward()
+        with_grad.append(sorted(names[p] for p in model.parameters() if p.grad is not None))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item() if kind == "reference" else global_mean(loss))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()} if kind == "reference" else _full_params(model)
+    return {"losses": losses, "with_grad": with_grad, "params": params, "graphs": counter.frame_count if counter else None}
+
+
 def _equal(a: dict, b: dict, **tol) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -413,6 +449,31 @@ def test_a_forward_without_backward_does_not_change_later_training(pool2, backen
     result = pool2.run(forward_without_backward_then_train, backend)[0]
     for plain, after in zip(result["plain"], result["after_dropped_forward"], strict=True):
         _equal(after, plain)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_freezing_and_unfreezing_parameters_follows_the_unsharded_model(pool2, backend):
+    """``requires_grad`` changed after ``fully_shard``, before the first compiled step and
+    between steps: every step gives exactly the parameters the unsharded model gives a
+    gradient, the same losses and parameters, in as many graphs (each change between
+    steps recompiles the unsharded model too); eager and aot_eager are bitwise equal."""
+    reference = pool2.run(requires_grad_changes_follow_the_unsharded_model, "reference", backend)[0]
+    eager = pool2.run(requires_grad_changes_follow_the_unsharded_model, "ours", None)
+    compiled = pool2.run(requires_grad_changes_follow_the_unsharded_model, "ours", backend)
+    frozen_first = [n for n in reference["with_grad"][4] if n not in reference["with_grad"][0]]
+    assert frozen_first and "layers.1.feed_forward.w1.weight" in reference["with_grad"][1]
+    assert "layers.1.feed_forward.w1.weight" not in reference["with_grad"][2]
+    for rank_eager, rank_compiled in zip(eager, compiled, strict=True):
+        for result in (rank_eager, rank_compiled):
+            assert result["with_grad"] == reference["with_grad"]
+            torch.testing.assert_close(result["losses"], reference["losses"], rtol=1e-5, atol=1e-5)
+            _equal(result["params"], reference["params"], rtol=1e-4, atol=1e-5)
+        # Equal, not fewer: a parameter frozen between steps must recompile, as the unsharded
+        # model does, or its gradient would still be computed and reduced every step.
+        assert rank_compiled["graphs"] == reference["graphs"]
+        if backend == "aot_eager":
+            assert rank_compiled["losses"] == rank_eager["losses"]
+            _equal(rank_compiled["params"], rank_eager["params"])
 
 
 def test_fsdp_module_methods(pool2):
