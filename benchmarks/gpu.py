@@ -4,6 +4,8 @@ too), against the unsharded compiled model (the compute-only limit).
     python -m benchmarks.gpu [--worlds nccl1,fake8] [--sizes compute,launch] [--setups ...]
                              [--steps 12] [--budget-s 420] [--layers/--dim/--seq/--batch/--vocab N]
     python -m benchmarks.gpu --device cpu --worlds gloo1,fake8 --layers 2 --dim 64 ...   # smoke run
+    python -m benchmarks.gpu --device cpu --worlds gloo1 --sizes launch --layers 8 --dim 64 --seq 16 \
+        --batch 1 --vocab 256 --foreach --steps 40   # the CPU side of a launch-bound step, no GPU
 
 A ``transformers`` ``LlamaForCausalLM`` built from a config (bf16 parameters, SDPA,
 tied embeddings, its own fp32 loss with labels), AdamW; ``compute``: 8 layers, hidden
@@ -142,6 +144,13 @@ def parser() -> argparse.ArgumentParser:
     )
     for flag in ("layers", "dim", "heads", "ffn", "vocab", "seq", "batch"):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"override every size's {flag}")
+    p.add_argument(
+        "--foreach",
+        action="store_true",
+        default=None,
+        help="AdamW's foreach path on any device (its default on CUDA): on CPU, with tiny sizes, "
+        "a step's CPU-side costs as a launch-bound GPU step pays them",
+    )
     return p
 
 
@@ -236,7 +245,7 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
+def run_setup(name: str, cfg: dict, tokens, device, steps: int, foreach: bool | None = None) -> dict:
     """Build, shard, compile and train ``steps`` steps; the measurements."""
     import torch
     from torch._dynamo.utils import counters
@@ -253,7 +262,7 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int) -> dict:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # foreach (the default)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)  # None: AdamW's default (foreach on CUDA)
     step_fn = torch.compile(model, mode=mode) if compiled else model
     cudagraphs = mode == "reduce-overhead"
     if device.type == "cuda":
@@ -480,7 +489,7 @@ def main(argv=None) -> None:
                         continue
                     free(device)
                     try:
-                        rows[name] = row = run_setup(name, cfg, tokens, device, args.steps)
+                        rows[name] = row = run_setup(name, cfg, tokens, device, args.steps, args.foreach)
                     except Exception as e:  # noqa: BLE001 - reported as a row; the run goes on
                         rows[name] = {"error": first_line(e)}
                         expected = world.startswith("fake") and name.startswith("fsdp2")

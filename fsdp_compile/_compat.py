@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Callable
 
 import torch
@@ -161,23 +160,20 @@ class _AliasOfLocalTensor(torch.autograd.Function):
     step: ``from_local`` (an autograd ``Function`` of its own, with argument checks) cost
     ~70 us a call, and ``DTensor(...)`` goes through two wrappers of an ``__init__`` that
     only matters to ``torch.export`` (torch/distributed/tensor/_api.py), so the gradient is
-    made by ``DTensor.__new__`` itself. If the parameter no longer requires a gradient,
-    ``when_frozen`` is called first (autograd then drops the gradient, as it does for any
-    leaf that stopped requiring one)."""
+    made by ``DTensor.__new__`` itself. ``on_backward()`` (if given) is called first, at
+    every backward (``FSDPParam`` checks there whether the parameter was frozen since; no
+    reference to the parameter is kept here: a weak one would stop ``swap_tensors``)."""
 
     @staticmethod
-    def forward(ctx, dtensor, when_frozen):
+    def forward(ctx, dtensor, on_backward):
         ctx.spec = dtensor._spec
-        ctx.param = weakref.ref(dtensor)
-        ctx.when_frozen = when_frozen
+        ctx.on_backward = on_backward
         return dtensor._local_tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.when_frozen is not None:
-            param = ctx.param()
-            if param is not None and not param.requires_grad:
-                ctx.when_frozen()
+        if ctx.on_backward is not None:
+            ctx.on_backward()
         dtensor = _dtensor_class()
         return dtensor.__new__(dtensor, grad, ctx.spec, requires_grad=False), None
 
@@ -189,11 +185,11 @@ def _dtensor_class() -> type:
     return DTensor
 
 
-def alias_of_local_tensor(dtensor, when_frozen=None) -> torch.Tensor:
+def alias_of_local_tensor(dtensor, on_backward=None) -> torch.Tensor:
     """A plain tensor over ``dtensor``'s local storage whose gradient flows back to
-    ``dtensor`` (see :class:`_AliasOfLocalTensor`); ``when_frozen()`` is called by a
-    backward that finds ``dtensor`` no longer requiring a gradient."""
-    return _AliasOfLocalTensor.apply(dtensor, when_frozen)
+    ``dtensor`` (see :class:`_AliasOfLocalTensor`); ``on_backward()`` is called by each
+    backward through it."""
+    return _AliasOfLocalTensor.apply(dtensor, on_backward)
 
 
 def mark_as_parameter_input(t: torch.Tensor) -> None:
