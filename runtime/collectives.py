@@ -108,10 +108,16 @@ class CollectiveSpec:
     #: ``repr``, so equal keys mean equal specs in every process (the op's argument is
     #: in AOTAutograd's cache key).
     key: str = field(init=False, compare=False, repr=False)
+    #: Nothing to communicate: no shard group, no group to all-reduce over, and a
+    #: gradient that needs no scaling or cast of its own (a group of one rank). The
+    #: gather is then the cast to ``param_dtype`` (or an alias), its backward autograd's.
+    local_only: bool = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         key = repr(self)
         object.__setattr__(self, "key", key)
+        local_only = self.layout is None and not self.reduce_group_names and self.grad_scale is None
+        object.__setattr__(self, "local_only", local_only and self.reduce_dtype in (None, self.param_dtype))
         _SPECS_BY_KEY.setdefault(key, self)
         all_reduce_role = Role.REDUCE_GRAD if self.layout is None else Role.REPLICATE_GRAD
         object.__setattr__(self, "meta", self.tag.as_meta())
@@ -299,6 +305,11 @@ def gather_with_grad_sync(
     if kept is None and spec.layout is not None:
         # the common case: see gather_op
         return gather_op(local, pending, accumulator, key or spec.key, partial_pending, partial_accumulator)
+    if spec.local_only and kept is None and pending is accumulator is partial_pending is partial_accumulator is None:
+        # A group of one rank, no accumulation: what the autograd function below computes,
+        # forward and backward, without it (Dynamo traces that function and guards its
+        # annotations at every parameter read).
+        return local.view_as(local) if spec.param_dtype in (None, local.dtype) else local.to(spec.param_dtype)
     with fx_annotate(spec.meta):
         return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept, partial_pending, partial_accumulator)
 
