@@ -25,6 +25,12 @@ with ``split_with_sizes_copy``, as FSDP2's copy-out does.
 Each writes every byte once, zero padding of uneven shards included (the
 traced per-parameter padding ``cat`` is folded in; see
 ``fsdp_compile.passes.bucketing``).
+
+Why defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: a
+``custom_op`` registers a Python autograd kernel, which every call went through (its
+grad-mode checks and a Python redispatch, ~20 us a call), compiled graphs' calls
+included. These ops need no autograd (their inputs never require a gradient where they
+run); with a ``CompositeExplicitAutograd`` kernel only the kernel itself is Python.
 """
 
 from __future__ import annotations
@@ -33,8 +39,28 @@ import torch
 
 from fsdp_compile._compat import chunk_cat
 
+_LIBRARY = torch.library.Library("fsdp_compile", "FRAGMENT")  # kept alive: it holds the registrations
 
-@torch.library.custom_op("fsdp_compile::pad_dim0", mutates_args=())
+
+def _op(schema: str, fake):
+    """Define ``fsdp_compile::<schema>`` with the decorated function as its kernel on every
+    backend (``CompositeExplicitAutograd``) and ``fake`` for tracing; returns the op
+    (``torch.ops.fsdp_compile.<name>``), which eager code calls like the function."""
+
+    def define(kernel):
+        name = _LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+        _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"fsdp_compile::{name}", fake, lib=_LIBRARY)
+        return getattr(torch.ops.fsdp_compile, name)
+
+    return define
+
+
+def _pad_dim0_fake(t, rows):
+    return t.new_empty((rows, *t.shape[1:]))
+
+
+@_op("pad_dim0(Tensor t, SymInt rows) -> Tensor", _pad_dim0_fake)
 def pad_dim0(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` rows (``t`` may have none)."""
     out = t.new_empty((rows, *t.shape[1:]))
@@ -43,12 +69,11 @@ def pad_dim0(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-@pad_dim0.register_fake
-def _(t, rows):
-    return t.new_empty((rows, *t.shape[1:]))
+def _all_gather_copy_in_fake(shards, padded_numels, copies=1):
+    return shards[0].new_empty(copies * sum(padded_numels))
 
 
-@torch.library.custom_op("fsdp_compile::all_gather_copy_in", mutates_args=())
+@_op("all_gather_copy_in(Tensor[] shards, SymInt[] padded_numels, SymInt copies=1) -> Tensor", _all_gather_copy_in_fake)
 def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int], copies: int = 1) -> torch.Tensor:
     """The all-gather input: each member's local shard, zero-padded to its padded
     size, back to back (a member's padding is a piece of zeros); ``copies`` times over,
@@ -67,12 +92,11 @@ def all_gather_copy_in(shards: list[torch.Tensor], padded_numels: list[int], cop
     return out.view(-1)
 
 
-@all_gather_copy_in.register_fake
-def _(shards, padded_numels, copies=1):
-    return shards[0].new_empty(copies * sum(padded_numels))
+def _reduce_scatter_copy_in_fake(grads, padded_numels, world_size):
+    return grads[0].new_empty(sum(padded_numels))
 
 
-@torch.library.custom_op("fsdp_compile::reduce_scatter_copy_in", mutates_args=())
+@_op("reduce_scatter_copy_in(Tensor[] grads, SymInt[] padded_numels, SymInt world_size) -> Tensor", _reduce_scatter_copy_in_fake)
 def reduce_scatter_copy_in(grads: list[torch.Tensor], padded_numels: list[int], world_size: int) -> torch.Tensor:
     """The reduce-scatter input: ``[world_size, sum(padded_i / world_size)]`` flattened,
     where member ``i``'s columns hold its full gradient zero-padded to ``padded_i``
@@ -97,12 +121,11 @@ def _chunked_width(grad: torch.Tensor, world_size: int) -> int:
     return rows_per_rank * (grad.numel() // grad.shape[0])
 
 
-@reduce_scatter_copy_in.register_fake
-def _(grads, padded_numels, world_size):
-    return grads[0].new_empty(sum(padded_numels))
+def _all_gather_copy_out_fake(gathered, padded_numels, world_size):
+    return [gathered.new_empty(world_size * n) for n in padded_numels]
 
 
-@torch.library.custom_op("fsdp_compile::all_gather_copy_out", mutates_args=())
+@_op("all_gather_copy_out(Tensor gathered, SymInt[] padded_numels, SymInt world_size) -> Tensor[]", _all_gather_copy_out_fake)
 def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], world_size: int) -> list[torch.Tensor]:
     """The members of a bucketed all-gather's output, each contiguous: ``gathered`` is
     ``[world_size, sum(padded_numels)]`` flattened (every rank's copy-in, one after
@@ -114,8 +137,3 @@ def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], world_
         grid, padded_numels, dim=1, out=[o.view(world_size, n) for o, n in zip(outs, padded_numels, strict=True)]
     )
     return outs
-
-
-@all_gather_copy_out.register_fake
-def _(gathered, padded_numels, world_size):
-    return [gathered.new_empty(world_size * n) for n in padded_numels]
