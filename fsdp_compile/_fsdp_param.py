@@ -230,7 +230,11 @@ class FSDPParam:
             warn_gathered_in_broken_graph(self)
         if self.extension:
             return self._note_gathered(self._gather_with_extension(sharded_param, traced))
-        if traced and self._reads_local_view_as_is and (sharded_param is None or self.local_view.requires_grad == sharded_param.requires_grad):
+        if (
+            traced
+            and self._reads_local_view_as_is
+            and (sharded_param is None or self.local_view.requires_grad == sharded_param.requires_grad)
+        ):
             local = self.local_view  # the common traced case: what _gather_input returns, in fewer steps
         else:
             local = self._gather_input(sharded_param)
