@@ -18,6 +18,7 @@ from fsdp_compile._fully_shard import (
     replicate,
     share_comm_ctx,
 )
+from fsdp_compile._local_shard_optimizer import step_on_local_shards
 
 # Nothing here changes torch: our graph passes, the cache-key correction, the log alias
 # and FSDP_COMPILE_DUMP take effect at the first fully_shard / replicate
@@ -35,4 +36,5 @@ __all__ = [
     "share_comm_ctx",
     "UnshardHandle",
     "GradientReductionHandle",
+    "step_on_local_shards",
 ]

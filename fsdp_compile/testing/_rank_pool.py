@@ -221,7 +221,11 @@ class RankPool:
         if rank >= len(self._stack_files):
             return ""
         with open(self._stack_files[rank]) as f:
-            return f.read()[-6000:]
+            text = f.read()
+        # faulthandler ends with one long line of extension module names; it would take
+        # the room of the stacks.
+        lines = [line for line in text.splitlines() if not line.startswith("Extension modules:")]
+        return "\n".join(lines)[-6000:]
 
     def _stack_of(self, rank: int) -> str:
         """The Python stacks of a live rank's threads, via SIGUSR1 (faulthandler marks the

@@ -1,0 +1,193 @@
+"""An optimizer step over local shards: the same update, without ``DTensor`` dispatch.
+
+A sharded parameter is a ``DTensor``, and so are its gradient and the optimizer state
+``torch.optim`` creates for it (``zeros_like(param)``). Every op of the update then goes
+through ``DTensor``'s dispatch: sharding propagation, unwrapping and re-wrapping, a few
+tens of microseconds an op. An elementwise update (Adam, SGD, ...) of a ``Shard`` or
+``Replicate`` parameter is the same arithmetic on each rank's local tensor, so
+:func:`step_on_local_shards` makes ``optimizer.step()`` run on the local tensors:
+
+* before the step, each group whose parameters and gradients are all ``DTensor``s with
+  ``Shard``/``Replicate`` placements (the same for parameter and gradient) gets, in
+  place of each parameter, a plain tensor sharing its local storage, with the local
+  gradient as ``.grad``; ``optimizer.state`` is keyed by those, its ``DTensor`` entries
+  unwrapped to their local tensors (the same storage: in-place updates land in them);
+* after the step (also when it raises), the parameters and the state come back: an
+  entry the step created (the first step's ``exp_avg``, ...) is wrapped as a ``DTensor``
+  with its parameter's mesh and placements, as ``zeros_like(param)`` would have made it.
+
+Outside ``step()`` nothing changes: ``optimizer.state`` holds ``DTensor``s keyed by the
+``DTensor`` parameters, so ``state_dict()``, ``load_state_dict()`` and DCP's
+``get_optimizer_state_dict`` see what they would without it. The numbers are bitwise
+those of the ``DTensor`` step: the same ops on the same local tensors.
+
+Only optimizers whose update is elementwise per parameter are accepted (a norm, a
+row/column statistic or an orthogonalization of a sharded tensor needs the whole
+tensor): see :data:`ELEMENTWISE_OPTIMIZERS`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+__all__ = ["step_on_local_shards", "ELEMENTWISE_OPTIMIZERS"]
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+"""The ``torch.optim`` classes whose update of a parameter is elementwise (each element's
+new value depends only on the same element of the parameter, its gradient and its state,
+plus scalars), so that it gives the same result on each shard as on the whole tensor."""
+
+_LOCAL_STEP_ATTRIBUTE = "_fsdp_compile_steps_on_local_shards"
+
+
+def step_on_local_shards(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.step()`` update sharded (``DTensor``) parameters through their
+    local tensors, skipping ``DTensor`` dispatch for every op of the update; returns
+    ``optimizer`` (changed in place; calling it again does nothing).
+
+    The update is bitwise the one ``optimizer`` makes on the ``DTensor``s, and its state
+    is kept as ``DTensor``s keyed by the parameters between steps (state dicts and DCP are
+    unchanged). Works for any ``DTensor`` parameter with ``Shard``/``Replicate``
+    placements (``fully_shard``'s, torch's FSDP2's, tensor parallel ones); a group with a
+    plain, ``Partial`` or differentiable-optimizer parameter steps as before.
+
+    Raises ``TypeError`` for an optimizer whose update is not elementwise (see
+    :data:`ELEMENTWISE_OPTIMIZERS`): on a shard it would compute something else.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"step_on_local_shards: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"step_on_local_shards: {type(optimizer).__module__}.{type(optimizer).__qualname__} is not one of the "
+            f"optimizers whose update is elementwise ({names}); on a shard its update could differ from the whole "
+            "tensor's (a norm or a row statistic needs every element). Step it on the DTensors as it is."
+        )
+    if getattr(optimizer, _LOCAL_STEP_ATTRIBUTE, False):
+        return optimizer
+    step_on_dtensors = optimizer.step  # the bound method, or an LR scheduler's wrapper of it
+
+    @functools.wraps(step_on_dtensors)
+    def step(*args, **kwargs):
+        swapped = _swap_to_local(optimizer)
+        try:
+            return step_on_dtensors(*args, **kwargs)
+        finally:
+            _swap_back(optimizer, swapped)
+
+    optimizer.step = step
+    setattr(optimizer, _LOCAL_STEP_ATTRIBUTE, True)
+    return optimizer
+
+
+def _local_placements(placements) -> bool:
+    return all(isinstance(p, (Shard, Replicate)) for p in placements)
+
+
+def _localizable(group: dict) -> bool:
+    """Whether every parameter of ``group`` with a gradient is a ``DTensor`` that can step
+    on its local tensor: ``Shard``/``Replicate`` placements, a ``DTensor`` gradient with the
+    same placements, and no differentiable optimizer (its graph needs the ``DTensor``s)."""
+    if group.get("differentiable", False):
+        return False
+    any_dtensor = False
+    for param in group["params"]:
+        if not isinstance(param, DTensor):
+            return False
+        grad = param.grad
+        if grad is None:
+            continue
+        if not isinstance(grad, DTensor) or grad.placements != param.placements or not _local_placements(param.placements):
+            return False
+        any_dtensor = True
+    return any_dtensor
+
+
+class _Swapped:
+    """What :func:`_swap_to_local` changed, for :func:`_swap_back`."""
+
+    __slots__ = ("state", "params_of_group", "local_of")
+
+    def __init__(self, state, params_of_group, local_of):
+        self.state = state  # the optimizer's own state mapping
+        self.params_of_group = params_of_group  # {group index: its original params list}
+        self.local_of = local_of  # [(DTensor param, its local stand-in)]
+
+
+def _swap_to_local(optimizer: torch.optim.Optimizer) -> _Swapped | None:
+    """Put local stand-ins for the ``DTensor`` parameters of every localizable group into
+    ``optimizer.param_groups`` and a state keyed by them into ``optimizer.state``; returns
+    what to undo (``None`` when no group is localizable)."""
+    params_of_group: dict[int, list] = {}
+    local_of: list[tuple[DTensor, torch.Tensor]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        if not _localizable(group):
+            continue
+        params = group["params"]
+        stand_ins = []
+        for param in params:
+            local = param._local_tensor.detach()  # shares the storage and the version counter
+            if param.grad is not None:
+                local.grad = param.grad._local_tensor
+            stand_ins.append(local)
+            local_of.append((param, local))
+        params_of_group[index] = params
+        group["params"] = stand_ins
+    if not local_of:
+        return None
+    state = optimizer.state
+    local_state: defaultdict = defaultdict(dict)
+    managed = {id(param) for param, _ in local_of}
+    for key, value in state.items():  # other parameters' state, the same dicts
+        if id(key) not in managed:
+            local_state[key] = value
+    for param, local in local_of:
+        if param in state:
+            local_state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state[param].items()}
+    optimizer.state = local_state
+    return _Swapped(state, params_of_group, local_of)
+
+
+def _swap_back(optimizer: torch.optim.Optimizer, swapped: _Swapped | None) -> None:
+    """Undo :func:`_swap_to_local`: the original parameters, and their state with every
+    entry the step added or replaced wrapped like its parameter."""
+    if swapped is None:
+        return
+    local_state = optimizer.state
+    state = swapped.state
+    for index, params in swapped.params_of_group.items():
+        optimizer.param_groups[index]["params"] = params
+    for param, local in swapped.local_of:
+        local.grad = None
+        stepped = local_state.get(local)
+        if stepped is None:
+            continue
+        entries = state[param]
+        for key, value in stepped.items():
+            before = entries.get(key)
+            if isinstance(before, DTensor) and before._local_tensor is value:
+                continue
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+                and value.shape == local.shape
+                and value.dim() > 0
+            ):
+                value = DTensor.from_local(
+                    value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+            entries[key] = value
+    stand_ins = {id(local) for _, local in swapped.local_of}
+    for key, value in local_state.items():  # state the step added for other parameters
+        if id(key) not in stand_ins:
+            state[key] = value
+    optimizer.state = state

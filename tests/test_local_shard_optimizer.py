@@ -1,0 +1,193 @@
+"""``fsdp_compile.step_on_local_shards``: the optimizer's update on local shards gives
+bitwise the update it makes on the ``DTensor``s, keeps its state as ``DTensor``s between
+steps (state dicts, DCP), and refuses optimizers whose update is not elementwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_compile import step_on_local_shards
+from fsdp_compile.testing import global_mean
+from tests.models import batch, build, compile_counting_graphs, fully_shard_of, loss_fn, shard_blocks
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adamw-foreach-amsgrad": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True, amsgrad=True),
+    "sgd-nesterov": lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, centered=True),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def _state_of(model, opt) -> dict:
+    """Every state entry, by parameter name: local tensors of ``DTensor``s, with their kind."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = {}
+    for p, entries in opt.state.items():
+        for key, value in entries.items():
+            kind = "dtensor" if isinstance(value, DTensor) else type(value).__name__
+            if isinstance(value, DTensor):
+                assert value.placements == p.placements and value.device_mesh is p.device_mesh, (names[p], key)
+                value = value._local_tensor
+            out[f"{names[p]}.{key}"] = (kind, value.clone() if isinstance(value, torch.Tensor) else value)
+    return out
+
+
+def train_on_local_shards(optimizer: str, kind: str, backend: str | None, steps: int = 3) -> dict:
+    """The Llama sharded by ``kind`` (ours or torch's FSDP2), its first attention frozen,
+    trained ``steps`` steps with ``optimizer`` stepping on the ``DTensor``s and, from the
+    same start, stepping on local shards; then one more step each after the local one's
+    state went through ``state_dict()`` into a fresh optimizer. Per variant: losses,
+    local parameter shards, optimizer state."""
+    results = {}
+    for variant in ("dtensor", "local"):
+        model, units = build("llama")
+        shard_blocks(model, fully_shard_of(kind), blocks=units[:-1])
+        for p in model.layers[0].attention.parameters():
+            p.requires_grad_(False)
+        run, _ = compile_counting_graphs(model, backend)
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        if variant == "local":
+            assert step_on_local_shards(opt) is opt and step_on_local_shards(opt) is opt  # again: no-op
+        losses = []
+        for step in range(steps + 1):
+            if step == steps and variant == "local":
+                resumed = step_on_local_shards(OPTIMIZERS[optimizer](model.parameters()))
+                resumed.load_state_dict(opt.state_dict())
+                opt = resumed
+            x, y = batch("llama", step)
+            loss = loss_fn("llama", run(_local(x)), _local(y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(global_mean(loss))
+            assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+        if variant == "local":
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            dcp_state = get_optimizer_state_dict(model, opt)["state"]
+            assert all(isinstance(v, DTensor) for entries in dcp_state.values() for k, v in entries.items() if k != "step")
+        results[variant] = {
+            "losses": losses,
+            "params": {n: p._local_tensor.clone() for n, p in model.named_parameters()},
+            "state": _state_of(model, opt),
+        }
+    return results
+
+
+@pytest.mark.parametrize(
+    "optimizer, kind, backend",
+    [
+        ("adamw", "ours", "aot_eager"),
+        ("adamw-foreach-amsgrad", "ours", None),
+        ("sgd-nesterov", "ours", None),
+        ("rmsprop", "fsdp2", None),
+        ("adagrad", "ours", None),
+    ],
+)
+def test_the_local_step_is_bitwise_the_dtensor_step(pool2, optimizer, kind, backend):
+    """Losses, parameter shards and every optimizer state entry (kind included: a
+    ``DTensor`` with its parameter's placements where the ``DTensor`` step made one) are
+    bitwise equal, across a state dict round trip, frozen parameters (no gradient) included."""
+    for result in pool2.run(train_on_local_shards, optimizer, kind, backend):
+        dtensor, local = result["dtensor"], result["local"]
+        assert local["losses"] == dtensor["losses"]
+        assert local["params"].keys() == dtensor["params"].keys()
+        for name in dtensor["params"]:
+            assert torch.equal(local["params"][name], dtensor["params"][name]), name
+        assert local["state"].keys() == dtensor["state"].keys()
+        for key, (kind_expected, value) in dtensor["state"].items():
+            kind_got, got = local["state"][key]
+            assert kind_got == kind_expected, key
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
+
+
+def _dtensor_params(mesh, n: int = 3) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    params = []
+    for i in range(n):
+        p = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)], run_check=False))
+        p.grad = DTensor.from_local(torch.randn(4, 3) * (i + 1), mesh, [Shard(0)], run_check=False)
+        params.append(p)
+    return params
+
+
+def test_an_optimizer_whose_update_is_not_elementwise_is_refused(fake_pg):
+    mesh = init_device_mesh("cpu", (8,))
+    params = _dtensor_params(mesh)
+
+    class ClippedAdamW(torch.optim.AdamW):
+        pass
+
+    refused = [torch.optim.LBFGS(params), ClippedAdamW(params)]
+    if hasattr(torch.optim, "Adafactor"):
+        refused.append(torch.optim.Adafactor(params))
+    for opt in refused:
+        with pytest.raises(
+            TypeError, match=rf"{type(opt).__qualname__} is not one of the optimizers whose update is elementwise"
+        ):
+            step_on_local_shards(opt)
+        assert "step" not in vars(opt)  # unchanged
+    with pytest.raises(TypeError, match="expected a torch.optim.Optimizer"):
+        step_on_local_shards(params)
+
+
+def test_a_step_that_raises_leaves_the_dtensors_in_place(fake_pg):
+    mesh = init_device_mesh("cpu", (8,))
+    params = _dtensor_params(mesh)
+    opt = step_on_local_shards(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    opt.step()
+    before = {k: dict(v) for k, v in opt.state.items()}
+
+    def failing_closure():
+        assert all(not isinstance(p, DTensor) for p in opt.param_groups[0]["params"])  # stepping locally
+        raise RuntimeError("closure failed")
+
+    with pytest.raises(RuntimeError, match="closure failed"):
+        opt.step(failing_closure)
+    assert opt.param_groups[0]["params"] == params and all(p.grad is not None for p in params)
+    assert list(opt.state) == params
+    for p in params:
+        assert opt.state[p]["momentum_buffer"] is before[p]["momentum_buffer"]
+        assert isinstance(opt.state[p]["momentum_buffer"], DTensor)
+
+
+def test_groups_that_cannot_step_locally_step_on_the_dtensors(fake_pg):
+    """A group holding a plain tensor besides ``DTensor``s steps as before, and a group of
+    ``DTensor``s beside it steps locally; both give the ``DTensor`` step's numbers."""
+    mesh = init_device_mesh("cpu", (8,))
+
+    def groups():
+        params = _dtensor_params(mesh, 4)
+        plain = torch.nn.Parameter(torch.randn(5))
+        plain.grad = torch.randn(5)
+        return [{"params": params[:2] + [plain]}, {"params": params[2:], "lr": 0.5}]
+
+    reference, local = groups(), groups()
+    ref_opt = torch.optim.Adam(reference, lr=0.1)
+    opt = step_on_local_shards(torch.optim.Adam(local, lr=0.1))
+    seen = []
+    opt.register_step_pre_hook(lambda o, *_: seen.append([type(p) for g in o.param_groups for p in g["params"]]))
+    for _ in range(2):
+        ref_opt.step()
+        opt.step()
+    assert seen[0] == [DTensor, DTensor, torch.nn.Parameter, torch.Tensor, torch.Tensor]
+    for ref_group, group in zip(reference, local, strict=True):
+        for ref_p, p in zip(ref_group["params"], group["params"], strict=True):
+            assert type(p) is type(ref_p)
+
+            def local_of(t):
+                return t._local_tensor if isinstance(t, DTensor) else t
+
+            assert torch.equal(local_of(p.detach()), local_of(ref_p.detach()))
+            for key, value in ref_opt.state[ref_p].items():
+                assert type(opt.state[p][key]) is type(value)
+                assert torch.equal(local_of(opt.state[p][key]), local_of(value))
