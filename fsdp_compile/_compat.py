@@ -415,6 +415,13 @@ def group_ranks(group_name: str) -> list[int] | None:
     return _about_named_group(group_name, dist.get_process_group_ranks)
 
 
+def group_rank(group_name: str) -> int | None:
+    """This process's index in the group named ``group_name`` (``None``: no such group)."""
+    import torch.distributed as dist
+
+    return _about_named_group(group_name, dist.get_rank)
+
+
 def group_backend(group_name: str) -> str | None:
     """The backend (``"gloo"``, ``"nccl"``, ``"fake"``...) of the group named
     ``group_name`` (``None``: no such group)."""

@@ -30,6 +30,7 @@ from fsdp_compile._compat import (
     get_joint_custom_pass,
     get_post_grad_custom_post_pass,
     group_backend,
+    group_rank,
     hash_of_files,
     make_graph_cache_keys_stable,
     register_torch_log,
@@ -93,7 +94,7 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     log.debug("%s: %d collective(s) after our passes", graph_name(graph), len(our_collectives(graph)))
     check = insert_consistency_check(graph) if config.check_collective_consistency else None
     if config.gloo_all_to_all:
-        lower_to_all_to_all(graph, lambda group_name: group_backend(group_name) == "gloo")
+        lower_to_all_to_all(graph, lambda group_name: group_backend(group_name) == "gloo", group_rank)
         debug.record_graph(folder, "2b_transport", graph)
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
     pin_schedule(graph, config.reduce_scatter_depth, first=check)
@@ -203,7 +204,18 @@ class FSDPPostGradPass(CustomGraphPass):
         here = os.path.dirname(__file__)
         runtime = os.path.dirname(fsdp_compile.runtime.__file__)
         files = tuple(sorted(os.path.join(d, f) for d in (here, runtime) for f in os.listdir(d) if f.endswith(".py")))
-        return hash_of_files(files, repr(sorted(config.snapshot().items())))
+        return hash_of_files(files, repr(sorted(config.snapshot().items())) + _rank_if_graphs_are_per_rank())
+
+
+def _rank_if_graphs_are_per_rank() -> str:
+    """The global rank, where the gloo transport may make a rank's graph its own (an
+    all-gather sends a rank nothing of its own: ``lower_to_all_to_all``), so that ranks
+    sharing a cache directory never load each other's graphs; empty otherwise."""
+    import torch.distributed as dist
+
+    if not config.gloo_all_to_all or not dist.is_initialized():
+        return ""
+    return f" rank {dist.get_rank()}"
 
 
 _POST_GRAD_PASS = FSDPPostGradPass()

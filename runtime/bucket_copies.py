@@ -121,19 +121,44 @@ def _chunked_width(grad: torch.Tensor, world_size: int) -> int:
     return rows_per_rank * (grad.numel() // grad.shape[0])
 
 
-def _all_gather_copy_out_fake(gathered, padded_numels, world_size):
+def _all_gather_copy_out_fake(gathered, padded_numels, world_size, own=None, own_rank=-1):
     return [gathered.new_empty(world_size * n) for n in padded_numels]
 
 
-@_op("all_gather_copy_out(Tensor gathered, SymInt[] padded_numels, SymInt world_size) -> Tensor[]", _all_gather_copy_out_fake)
-def all_gather_copy_out(gathered: torch.Tensor, padded_numels: list[int], world_size: int) -> list[torch.Tensor]:
+@_op(
+    "all_gather_copy_out(Tensor gathered, SymInt[] padded_numels, SymInt world_size, Tensor? own=None, int own_rank=-1) "
+    "-> Tensor[]",
+    _all_gather_copy_out_fake,
+)
+def all_gather_copy_out(
+    gathered: torch.Tensor,
+    padded_numels: list[int],
+    world_size: int,
+    own: torch.Tensor | None = None,
+    own_rank: int = -1,
+) -> list[torch.Tensor]:
     """The members of a bucketed all-gather's output, each contiguous: ``gathered`` is
     ``[world_size, sum(padded_numels)]`` flattened (every rank's copy-in, one after
     the other); member ``i`` is its column block, ``world_size * padded_numels[i]``
-    elements (the member's padded full tensor, flattened). One read and one write per byte."""
-    grid = gathered.view(world_size, -1)
+    elements (the member's padded full tensor, flattened). One read and one write per byte.
+
+    With ``own``, ``gathered`` holds the other ranks' copy-ins only (``world_size - 1``
+    rows, rank order, ``own_rank``'s left out) and ``own`` starts with this rank's
+    (the copy-in itself: the gloo transport's all-to-all sends a rank nothing of its own,
+    ``fsdp_compile.passes.transport``)."""
+    total = sum(padded_numels)
     outs = [gathered.new_empty(world_size * n) for n in padded_numels]
-    torch.split_with_sizes_copy(
-        grid, padded_numels, dim=1, out=[o.view(world_size, n) for o, n in zip(outs, padded_numels, strict=True)]
-    )
+    grids = [o.view(world_size, n) for o, n in zip(outs, padded_numels, strict=True)]
+    if own is None:
+        sources = [(gathered.view(world_size, total), 0, world_size)]
+    else:
+        peers = gathered.view(world_size - 1, total)
+        sources = [
+            (peers[:own_rank], 0, own_rank),
+            (own.reshape(-1)[:total].view(1, total), own_rank, own_rank + 1),
+            (peers[own_rank:], own_rank + 1, world_size),
+        ]
+    for source, first, end in sources:
+        if end > first:
+            torch.split_with_sizes_copy(source, padded_numels, dim=1, out=[grid[first:end] for grid in grids])
     return outs

@@ -264,6 +264,13 @@ def test_all_gather_copy_out_takes_each_members_column_block():
         assert out.is_contiguous() and out.shape == (world_size * numel,)
         torch.testing.assert_close(out, grid[:, offset : offset + numel].reshape(-1), rtol=0, atol=0)
         offset += numel
+    # With this rank's block apart (the gloo transport's): the same members, for every rank.
+    for own_rank in range(world_size):
+        peers = torch.cat([row for k, row in enumerate(grid) if k != own_rank])
+        own = torch.cat([grid[own_rank], torch.full((5,), float("nan"))])  # read up to sum(numels) only
+        with_own = torch.ops.fsdp_compile.all_gather_copy_out(peers, numels, world_size, own, own_rank)
+        for got, want in zip(with_own, outs, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
@@ -577,7 +584,10 @@ def _run_as_rank_0_of_identical_ranks(gm: fx.GraphModule, *inputs):
     stand_ins = {
         c10d_functional.all_gather_into_tensor.default: lambda t, n, group: torch.cat([t] * n),
         c10d_functional.reduce_scatter_tensor.default: lambda t, op, n, group: t.chunk(n)[0] * (1 if op == "avg" else n),
-        c10d_functional.all_to_all_single.default: lambda t, out, in_, group: torch.cat([t.split(list(in_))[0]] * len(out)),
+        # Every peer sends this rank what this rank sends its first receiving peer.
+        c10d_functional.all_to_all_single.default: lambda t, out, in_, group: torch.cat(
+            [next(piece for piece in t.split(list(in_)) if piece.numel())] * sum(1 for rows in out if rows)
+        ),
         c10d_functional.wait_tensor.default: torch.clone,
     }
     for node in gm.graph.nodes:
@@ -620,10 +630,10 @@ def test_gloo_transport_lowers_both_collectives_to_all_to_alls_with_the_same_val
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def _bucketed_gather_graph(extra_reader: bool) -> fx.GraphModule:
-    """A post-grad graph with one bucketed all-gather of ours (2 ranks): the copy-in of a
-    [2, 4] shard and a 3-element shard padded to 4, the collective, the copy-out; with
-    ``extra_reader`` the copy-in is also an output."""
+def _bucketed_gather_graph(extra_reader: bool, world_size: int = 2) -> fx.GraphModule:
+    """A post-grad graph with one bucketed all-gather of ours (``world_size`` ranks): the
+    copy-in of a [2, 4] shard and a 3-element shard padded to 4, the collective, the
+    copy-out; with ``extra_reader`` the copy-in is also an output."""
     import operator
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -638,9 +648,9 @@ def _bucketed_gather_graph(extra_reader: bool) -> fx.GraphModule:
             node.meta["val"] = torch.empty(shape)
     tag = CollectiveTag(Role.UNSHARD, "w", "layers.0", True)
     copy_in = emit(g, ALL_GATHER_COPY_IN, ([a, b], [8, 4]), tag=tag)
-    ag = emit(g, c10d_functional.all_gather_into_tensor.default, (copy_in, 2, "0"), tag=tag)
+    ag = emit(g, c10d_functional.all_gather_into_tensor.default, (copy_in, world_size, "0"), tag=tag)
     gathered = emit(g, c10d_functional.wait_tensor.default, (ag,), tag=tag)
-    out = emit(g, ALL_GATHER_COPY_OUT, (gathered, [8, 4], 2), tag=tag)
+    out = emit(g, ALL_GATHER_COPY_OUT, (gathered, [8, 4], world_size), tag=tag)
     full_a = emit(g, operator.getitem, (out, 0))
     full_b = emit(g, operator.getitem, (out, 1))
     g.output((full_a, full_b, copy_in) if extra_reader else (full_a, full_b))
@@ -675,6 +685,38 @@ def test_gloo_transport_has_a_bucket_copy_in_write_one_copy_per_rank(extra_reade
         assert list(gm.graph.nodes).index(gather.input) == 2  # where the copy-in stood
     for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size, rank", [(2, 0), (2, 1), (4, 0), (4, 2), (4, 3)])
+def test_gloo_transport_sends_a_rank_nothing_of_its_own(world_size, rank):
+    """Knowing its rank, a bucket's all-gather sends this rank nothing: the copy-in writes
+    ``world_size - 1`` copies, the all-to-all's split to and from this rank is empty, and
+    the copy-out takes this rank's block from the copy-in; the values are the
+    all-gather's. A copy-in with another reader is left as without the rank."""
+    from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT
+    from fsdp_compile.passes.transport import lower_to_all_to_all
+
+    gm = _bucketed_gather_graph(False, world_size)
+    inputs = (torch.randn(2, 4), torch.randn(3))
+    before = _run_as_rank_0_of_identical_ranks(gm, *inputs)
+    assert lower_to_all_to_all(gm.graph, lambda group: True, lambda group: rank) == 1
+    gm.graph.lint()
+    gm.recompile()
+    (gather,) = our_collectives(gm.graph)
+    (copy_in,) = [n for n in gm.graph.nodes if n.target is ALL_GATHER_COPY_IN]
+    (copy_out,) = [n for n in gm.graph.nodes if n.target is ALL_GATHER_COPY_OUT]
+    splits = [0 if k == rank else 12 for k in range(world_size)]
+    assert gather.input is copy_in and gather.issue.args[1:3] == (splits, splits)
+    assert copy_in.args[2:] == (() if world_size == 2 else (world_size - 1,))
+    assert tuple(gather.wait.meta["val"].shape) == (12 * (world_size - 1),)
+    assert copy_out.args == (gather.wait, [8, 4], world_size, copy_in, rank)
+    for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    gm = _bucketed_gather_graph(True, world_size)
+    assert lower_to_all_to_all(gm.graph, lambda group: True, lambda group: rank) == 1
+    (gather,) = our_collectives(gm.graph)
+    assert gather.issue.args[1] == [12] * world_size and gather.input.target is aten.repeat.default
 
 
 def test_gloo_transport_leaves_other_groups_and_collectives_alone():

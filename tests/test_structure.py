@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -420,6 +421,26 @@ def test_graphs_alike_but_for_their_tags_do_not_share_a_cache_entry(fake_pg):
         hinted = _compile_a_sharded_mlp(prefetch_hint=True)
     assert hinted.get("fxgraph_cache_hit", 0) == 0 and hinted.get("fxgraph_cache_miss") == 2, hinted
     assert hinted.get("autograd_cache_hit", 0) == 0, hinted
+
+
+def test_ranks_do_not_share_cache_entries_where_the_gloo_transport_makes_graphs_per_rank(fake_pg):
+    """The gloo transport leaves a rank's own block out of its all-gathers, so a graph
+    after our passes is that rank's: our pass's cache uuid holds the rank then, and
+    only then (ranks sharing a cache directory would otherwise load each other's)."""
+    from fsdp_compile import config
+    from fsdp_compile.passes.registration import FSDPPostGradPass
+
+    pass_ = FSDPPostGradPass()
+    with config.patch(gloo_all_to_all=True):
+        with_transport = pass_.uuid()
+        dist.destroy_process_group()
+        dist.init_process_group("fake", rank=1, world_size=8)
+        assert pass_.uuid() != with_transport
+    with config.patch(gloo_all_to_all=False):
+        without = pass_.uuid()
+        dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=8)
+        assert pass_.uuid() == without
 
 
 def test_a_later_prefetch_hint_replaces_the_earlier(fake_pg):
