@@ -28,7 +28,6 @@ tensor): see :data:`ELEMENTWISE_OPTIMIZERS`.
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 import torch
@@ -74,19 +73,28 @@ def step_on_local_shards(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
         )
     if getattr(optimizer, _LOCAL_STEP_ATTRIBUTE, False):
         return optimizer
-    step_on_dtensors = optimizer.step  # the bound method, or an LR scheduler's wrapper of it
-
-    @functools.wraps(step_on_dtensors)
-    def step(*args, **kwargs):
-        swapped = _swap_to_local(optimizer)
-        try:
-            return step_on_dtensors(*args, **kwargs)
-        finally:
-            _swap_back(optimizer, swapped)
-
-    optimizer.step = step
+    # The bound method, or an LR scheduler's wrapper of it.
+    optimizer.step = _StepOnLocalShards(optimizer, optimizer.step)
     setattr(optimizer, _LOCAL_STEP_ATTRIBUTE, True)
     return optimizer
+
+
+class _StepOnLocalShards:
+    """``optimizer.step`` around the step it replaced: the swap to local tensors before,
+    the swap back after (also when it raises). An object, not a closure, so that
+    ``copy.deepcopy(optimizer)`` steps the copy (the bound method is rebound) and
+    ``pickle`` works."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step_on_dtensors) -> None:
+        self.optimizer = optimizer
+        self.step_on_dtensors = step_on_dtensors
+
+    def __call__(self, *args, **kwargs):
+        swapped = _swap_to_local(self.optimizer)
+        try:
+            return self.step_on_dtensors(*args, **kwargs)
+        finally:
+            _swap_back(self.optimizer, swapped)
 
 
 def _local_placements(placements) -> bool:

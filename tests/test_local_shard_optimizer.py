@@ -4,6 +4,8 @@ steps (state dicts, DCP), and refuses optimizers whose update is not elementwise
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -158,6 +160,15 @@ def test_a_step_that_raises_leaves_the_dtensors_in_place(fake_pg):
     for p in params:
         assert opt.state[p]["momentum_buffer"] is before[p]["momentum_buffer"]
         assert isinstance(opt.state[p]["momentum_buffer"], DTensor)
+
+    # A deep copy steps itself, not the original, on its own local tensors.
+    copied = copy.deepcopy(opt)
+    originals = [p._local_tensor.clone() for p in params]
+    copied.step()
+    for p, original, q in zip(params, originals, copied.param_groups[0]["params"], strict=True):
+        assert torch.equal(p._local_tensor, original)
+        assert q is not p and isinstance(q, DTensor) and not torch.equal(q._local_tensor, original)
+        assert isinstance(copied.state[q]["momentum_buffer"], DTensor)
 
 
 def test_groups_that_cannot_step_locally_step_on_the_dtensors(fake_pg):
