@@ -142,7 +142,7 @@ def train(args: argparse.Namespace) -> list[float]:
 
 
 def _train(args: argparse.Namespace) -> list[float]:
-    from fsdp_compile import MixedPrecisionPolicy, fully_shard
+    from fsdp_compile import MixedPrecisionPolicy, fully_shard, step_on_local_shards
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -169,7 +169,8 @@ def _train(args: argparse.Namespace) -> list[float]:
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     step_fn = model if args.compile_backend == "eager" else torch.compile(model, backend=args.compile_backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # AdamW's update on each rank's local shards: the same numbers, without DTensor dispatch per op.
+    opt = step_on_local_shards(torch.optim.AdamW(model.parameters(), lr=args.lr))
     first_step = load_checkpoint(args.resume, model, opt) if args.resume else 0
     # FSDP2's float8 recipe: after each optimizer step, the float8 weights' scales for the
     # next all-gathers from the updated shards, in one all-reduce of every weight's amax
