@@ -9,8 +9,7 @@ tens of microseconds an op. An elementwise update (Adam, SGD, ...) of a ``Shard`
 
 * before the step, each group whose parameters and gradients are all ``DTensor``s with
   ``Shard``/``Replicate`` placements (the same for parameter and gradient) gets, in
-  place of each parameter, a plain tensor sharing its local storage, with the local
-  gradient as ``.grad``; ``optimizer.state`` is keyed by those, its ``DTensor`` entries
+  place of each parameter, its local tensor, with the local gradient as ``.grad``; ``optimizer.state`` is keyed by those, its ``DTensor`` entries
   unwrapped to their local tensors (the same storage: in-place updates land in them);
 * after the step (also when it raises), the parameters and the state come back: an
   entry the step created (the first step's ``exp_avg``, ...) is wrapped as a ``DTensor``
@@ -143,7 +142,9 @@ def _swap_to_local(optimizer: torch.optim.Optimizer) -> _Swapped | None:
         params = group["params"]
         stand_ins = []
         for param in params:
-            local = param._local_tensor.detach()  # shares the storage and the version counter
+            # The local tensor itself (no op to make a stand-in); its ``.grad`` is set for the
+            # step only and is ``None`` again after it.
+            local = param._local_tensor
             if param.grad is not None:
                 local.grad = param.grad._local_tensor
             stand_ins.append(local)
