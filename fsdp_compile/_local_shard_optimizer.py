@@ -103,7 +103,8 @@ def _local_placements(placements) -> bool:
 def _localizable(group: dict) -> bool:
     """Whether every parameter of ``group`` with a gradient is a ``DTensor`` that can step
     on its local tensor: ``Shard``/``Replicate`` placements, a ``DTensor`` gradient with the
-    same placements, and no differentiable optimizer (its graph needs the ``DTensor``s)."""
+    same placements whose local tensor can be the local tensor's ``.grad`` (same shape,
+    dtype and device), and no differentiable optimizer (its graph needs the ``DTensor``s)."""
     if group.get("differentiable", False):
         return False
     any_dtensor = False
@@ -115,6 +116,9 @@ def _localizable(group: dict) -> bool:
             continue
         if not isinstance(grad, DTensor) or grad.placements != param.placements or not _local_placements(param.placements):
             return False
+        local, local_grad = param._local_tensor, grad._local_tensor
+        if local_grad.shape != local.shape or local_grad.dtype != local.dtype or local_grad.device != local.device:
+            return False  # not a valid ``.grad`` of the local tensor
         any_dtensor = True
     return any_dtensor
 
