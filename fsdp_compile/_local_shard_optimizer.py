@@ -33,6 +33,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from fsdp_compile._compat import local_tensor_of
+
 __all__ = ["step_on_local_shards", "ELEMENTWISE_OPTIMIZERS"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
@@ -116,7 +118,7 @@ def _localizable(group: dict) -> bool:
             continue
         if not isinstance(grad, DTensor) or grad.placements != param.placements or not _local_placements(param.placements):
             return False
-        local, local_grad = param._local_tensor, grad._local_tensor
+        local, local_grad = local_tensor_of(param), local_tensor_of(grad)
         if local_grad.shape != local.shape or local_grad.dtype != local.dtype or local_grad.device != local.device:
             return False  # not a valid ``.grad`` of the local tensor
         any_dtensor = True
@@ -148,9 +150,9 @@ def _swap_to_local(optimizer: torch.optim.Optimizer) -> _Swapped | None:
         for param in params:
             # The local tensor itself (no op to make a stand-in); its ``.grad`` is set for the
             # step only and is ``None`` again after it.
-            local = param._local_tensor
+            local = local_tensor_of(param)
             if param.grad is not None:
-                local.grad = param.grad._local_tensor
+                local.grad = local_tensor_of(param.grad)
             stand_ins.append(local)
             local_of.append((param, local))
         params_of_group[index] = params
@@ -165,7 +167,7 @@ def _swap_to_local(optimizer: torch.optim.Optimizer) -> _Swapped | None:
             local_state[key] = value
     for param, local in local_of:
         if param in state:
-            local_state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state[param].items()}
+            local_state[local] = {k: local_tensor_of(v) if isinstance(v, DTensor) else v for k, v in state[param].items()}
     optimizer.state = local_state
     return _Swapped(state, params_of_group, local_of)
 
@@ -187,7 +189,7 @@ def _swap_back(optimizer: torch.optim.Optimizer, swapped: _Swapped | None) -> No
         entries = state[param]
         for key, value in stepped.items():
             before = entries.get(key)
-            if isinstance(before, DTensor) and before._local_tensor is value:
+            if isinstance(before, DTensor) and local_tensor_of(before) is value:
                 continue
             if (
                 isinstance(value, torch.Tensor)
