@@ -514,6 +514,16 @@ def compile_fx_up_to_post_grad():
     return backend
 
 
+def register_dynamo_backend(name: str, compiler_fn) -> None:
+    """torch/_dynamo/backends/registry.py: make ``torch.compile(backend=name)`` resolve to
+    ``compiler_fn`` in this process; idempotent (the registry refuses a name twice)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if _COMPILER_FNS.get(name) is not compiler_fn:
+        _COMPILER_FNS.pop(name, None)
+        register_backend(compiler_fn=compiler_fn, name=name)
+
+
 def reset_dynamo() -> None:
     """torch/_dynamo/__init__.py: forget every compiled frame and Dynamo's per-code state."""
     torch._dynamo.reset()
@@ -611,6 +621,7 @@ __all__ = [
     "run_by_compiled_code",
     "is_strided_shard",
     "compile_fx_up_to_post_grad",
+    "register_dynamo_backend",
     "in_backward_recompute",
     "outside_dispatch_modes",
     "register_fake_process_group",

@@ -40,6 +40,15 @@ bucket_mode: str = "unit"
 #: Upper bound on one bucket, in MiB of one rank's shard (``bucket_mode="cap"``).
 bucket_cap_mb: float = 25.0
 
+#: Compiled graphs: a unit whose parameters are used apart (another unit's parameters
+#: used in between: a root unit's token embedding first, its output projection last)
+#: gets one bucket per run of parameters used together, when each such run gathers at
+#: least this many MiB (unsharded bytes); a smaller run stays in its neighbour's bucket.
+#: The output projection is then gathered behind the last layers and its gradient
+#: reduced behind the backward, not gathered at the step's start and reduced at its
+#: end. ``None``: one bucket per unit, as FSDP2. Applies to every ``bucket_mode``.
+split_unit_min_mb: float | None = 16.0
+
 #: Post-grad graphs: issue all-gathers early (prefetch) and wait late.
 reorder: bool = True
 
@@ -92,6 +101,7 @@ _FIELDS = (
     "bucketing",
     "bucket_mode",
     "bucket_cap_mb",
+    "split_unit_min_mb",
     "reorder",
     "prefetch_depth",
     "reduce_scatter_depth",
@@ -115,6 +125,8 @@ def snapshot() -> dict[str, Any]:
 def validate() -> None:
     if bucket_mode not in _BUCKET_MODES:
         raise ValueError(f"fsdp_compile.config.bucket_mode={bucket_mode!r}; expected one of {_BUCKET_MODES}")
+    if split_unit_min_mb is not None and split_unit_min_mb < 0:
+        raise ValueError(f"fsdp_compile.config.split_unit_min_mb={split_unit_min_mb!r}; expected None or >= 0")
     if prefetch_depth < 0 or reduce_scatter_depth < 1:
         raise ValueError("fsdp_compile.config: prefetch_depth must be >= 0 and reduce_scatter_depth >= 1")
 

@@ -35,7 +35,9 @@ shard needs padding have extra nodes.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
 import operator
 from dataclasses import dataclass
@@ -74,6 +76,9 @@ class Bucket:
     """Collectives merged into one: same kind, unit, group, dtype and reduce op."""
 
     members: list[Collective]
+    #: An all-gather run split off its unit (:func:`split_by_use`): issued where its
+    #: parameters are first used (reordering then prefetches it), not at its first member.
+    issue_at_use: bool = False
 
     @property
     def kind(self) -> str:
@@ -89,24 +94,99 @@ def bucket_key(c: Collective) -> tuple:
     return (c.kind, c.tag.unit_fqn, c.tag.role, c.group_name, c.world_size, c.reduce_op, c.dtype)
 
 
-def plan_buckets(collectives: list[Collective], cap_bytes: int | None = None) -> list[Bucket]:
-    """Group ``collectives`` by :func:`bucket_key` (first appearance order), then split each
-    group into consecutive buckets of at most ``cap_bytes`` input bytes (a member larger
-    than the cap gets a bucket of its own). ``None``: one bucket per group."""
+def first_use(c: Collective) -> fx.Node | None:
+    """The first consumer of all-gather ``c``'s result outside our own chain (the
+    runtime's unpadding slices and views are traced right after the wait, which may sit
+    at the unit's start, its parameter used much later); ``None`` if nothing uses it."""
+    first, stack, seen = None, [c.wait], set()
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if tag_of(user) is not None:
+                stack.append(user)
+            elif first is None or user < first:
+                first = user
+    return first
+
+
+def use_position(c: Collective, order: dict[fx.Node, int]) -> int:
+    """Where the graph needs ``c``: an all-gather's :func:`first_use`, a reduce-scatter's
+    or all-reduce's own position (right after its gradient exists)."""
+    if c.kind != "all_gather":
+        return order[c.issue]
+    use = first_use(c)
+    return order[c.wait] if use is None else order[use]
+
+
+def split_by_use(members: list[Collective], others: list[int], position, min_gathered_bytes: int) -> list[list[Collective]]:
+    """``members`` (one bucket group) in runs used together: sorted by ``position``, a new run
+    starts wherever a position in ``others`` (other units' collectives of the same kind)
+    falls between two consecutive members. A run gathering fewer than
+    ``min_gathered_bytes`` (unsharded bytes: input bytes x world size; an all-reduce's
+    input bytes) joins the run
+    before it (the first run, the one after it), so no run is small. Pure: positions
+    in, runs (each in the members' original order) out; every member in exactly one run."""
+    ranked = sorted(members, key=position)
+    others = sorted(others)
+    runs: list[list[Collective]] = [[ranked[0]]]
+    for a, b in itertools.pairwise(ranked):
+        if bisect.bisect_right(others, position(a)) != bisect.bisect_left(others, position(b)):
+            runs.append([])
+        runs[-1].append(b)
+
+    def small(run: list[Collective]) -> bool:
+        return sum(m.input_bytes for m in run) * (run[0].world_size or 1) < min_gathered_bytes  # all-reduce: None
+
+    merged: list[list[Collective]] = []
+    for run in runs:
+        if merged and (small(run) or small(merged[-1])):
+            merged[-1].extend(run)
+        else:
+            merged.append(run)
+    index = {id(m): i for i, m in enumerate(members)}
+    return [sorted(run, key=lambda m: index[id(m)]) for run in merged]
+
+
+def plan_buckets(collectives: list[Collective], cap_bytes: int | None = None, split_min_bytes: int | None = None) -> list[Bucket]:
+    """Group ``collectives`` by :func:`bucket_key` (first appearance order); with
+    ``split_min_bytes``, split each group into runs used together (:func:`split_by_use`);
+    then split each into consecutive buckets of at most ``cap_bytes`` input bytes (a
+    member larger than the cap gets a bucket of its own). ``None``: one bucket per
+    group, or per run. Rank-independent: a split compares positions only with one
+    another, and padding nodes (the only per-rank difference) hold no collective."""
     groups: dict[tuple, list[Collective]] = {}
     for c in collectives:
         groups.setdefault(bucket_key(c), []).append(c)
+    if split_min_bytes is not None and collectives:
+        order = {n: i for i, n in enumerate(collectives[0].issue.graph.nodes)}
+        where = {id(c): use_position(c, order) for c in collectives}
+
+        def position(c: Collective) -> int:
+            return where[id(c)]
+
+        by_kind_and_unit: dict[tuple[str, str], list[int]] = {}
+        for c in collectives:
+            by_kind_and_unit.setdefault((c.kind, c.tag.unit_fqn), []).append(position(c))
+        runs: list[tuple[list[Collective], bool]] = []
+        for key, members in groups.items():
+            others = [p for (kind, unit), ps in by_kind_and_unit.items() if kind == key[0] and unit != key[1] for p in ps]
+            split = split_by_use(members, others, position, split_min_bytes)
+            runs.extend((run, i > 0 and key[0] == "all_gather") for i, run in enumerate(split))
+    else:
+        runs = [(members, False) for members in groups.values()]
     buckets = []
-    for members in groups.values():
+    for members, at_use in runs:
         current: list[Collective] = []
         size = 0
         for m in members:
             if current and cap_bytes is not None and size + m.input_bytes > cap_bytes:
-                buckets.append(Bucket(current))
+                buckets.append(Bucket(current, at_use))
                 current, size = [], 0
             current.append(m)
             size += m.input_bytes
-        buckets.append(Bucket(current))
+        buckets.append(Bucket(current, at_use))
     return buckets
 
 
@@ -133,7 +213,7 @@ def _merge_all_gather(graph: fx.Graph, bucket: Bucket) -> None:
     ws, group = members[0].world_size, members[0].group_name
     numels = [m.input_numel for m in members]
     tag = _bucket_tag(bucket)
-    anchor = _all_gather_anchor(members)
+    anchor = _use_anchor(members) if bucket.issue_at_use else _all_gather_anchor(members)
     with graph.inserting_before(anchor):
         sources = [_unpadded_source(m) for m in members]
         copy_in = emit(graph, ALL_GATHER_COPY_IN, (sources, numels), tag=tag)
@@ -186,6 +266,16 @@ def _all_gather_anchor(members: list[Collective]) -> fx.Node:
         chains.extend(n for n in chain if n is not m.issue and n not in chains)
     move_before(sorted(chains), anchor)
     return anchor
+
+
+def _use_anchor(members: list[Collective]) -> fx.Node:
+    """Where a run split off its unit is gathered: before its members' first use. Every
+    member's input precedes its issue, which precedes that use, so nothing moves; the
+    final topological sort puts the members' traced unpadding chains after the
+    copy-out. Every rank anchors at the same consumer (ranks differ only by padding
+    nodes, never consumers), and reordering then prefetches the bucket as any other."""
+    uses = [u for u in (first_use(m) for m in members) if u is not None]
+    return min(uses) if uses else _all_gather_anchor(members)
 
 
 def _merge_reduce_scatter(graph: fx.Graph, bucket: Bucket) -> None:
@@ -250,9 +340,9 @@ def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:
     graph.lint()
 
 
-def bucket_collectives(graph: fx.Graph, cap_bytes: int | None = None) -> list[Bucket]:
+def bucket_collectives(graph: fx.Graph, cap_bytes: int | None = None, split_min_bytes: int | None = None) -> list[Bucket]:
     """Plan and apply buckets for every all-gather, reduce-scatter and all-reduce of ours
-    in ``graph``."""
-    buckets = plan_buckets(our_collectives(graph), cap_bytes)
+    in ``graph`` (see :func:`plan_buckets`)."""
+    buckets = plan_buckets(our_collectives(graph), cap_bytes, split_min_bytes)
     apply_buckets(graph, buckets)
     return buckets

@@ -31,7 +31,8 @@ def schedule_collectives(graph: fx.Graph, cap_bytes: int | None, after_each: Cal
     reordering, each if enabled in the config; ``after_each`` is called with
     ``"1_bucketing"`` / ``"2_reordering"`` after each pass that ran."""
     if config.bucketing:
-        bucket_collectives(graph, cap_bytes)
+        split = config.split_unit_min_mb
+        bucket_collectives(graph, cap_bytes, None if split is None else int(split * 2**20))
         after_each("1_bucketing")
     if config.reorder:
         reorder_for_overlap(

@@ -91,6 +91,9 @@ def build(name: str) -> tuple[nn.Module, list]:
     if name == "llama":
         model = Llama(LlamaConfig())
         return model, llama_units(model)
+    if name == "llama_untied":  # output projection a parameter of its own, as most decoders
+        model = Llama(LlamaConfig(tie_embeddings=False))
+        return model, llama_units(model)
     if name == "llama_ac":
         model = Llama(LlamaConfig(activation_checkpointing="full"))
         return model, llama_units(model)

@@ -113,3 +113,57 @@ def build_unit_graph(
 def node_signature(graph: fx.Graph) -> set:
     """Nodes and edges, independent of order (for 'moves nodes only' checks)."""
     return {(n.name, str(n.target), tuple(str(a) for a in n.all_input_nodes)) for n in graph.nodes}
+
+
+def build_root_used_apart_graph(world_size: int, rank: int, group_name: str, n_layers: int = 2) -> fx.GraphModule:
+    """A root unit (``""``) whose parameters are used apart, as a decoder's token
+    embedding and output projection: the root's all-gathers are traced together at the
+    step's start, ``embed`` used first, ``norm`` and ``head`` after every layer; each
+    layer a unit of its own. Backward-like tail: ``head``'s and ``norm``'s gradients
+    reduced first, then the layers', ``embed``'s last. ``embed``/``head`` have 7 rows
+    (rank 1 of 2 pads them); the shapes carry fake values only (structure tests)."""
+    graph = fx.Graph()
+    mode = FakeTensorMode()
+
+    def unshard(shard: fx.Node, layout: ShardLayout, unit: str, name: str) -> fx.Node:
+        tag = CollectiveTag(Role.UNSHARD, f"{unit}.{name}" if unit else name, unit, False)
+        padded = shard
+        if layout.local_rows != layout.rows_per_rank:
+            padded = emit(graph, PAD_DIM0, (shard, layout.rows_per_rank), tag=tag)
+        waited = emit(graph, WAIT, (emit(graph, ALL_GATHER, (padded, world_size, group_name), tag=tag),), tag=tag)
+        if layout.rows_per_rank * world_size != layout.dim0:
+            waited = emit(graph, aten.slice.Tensor, (waited, 0, 0, layout.dim0), tag=tag)
+        return waited
+
+    def reduce(grad: fx.Node, layout: ShardLayout, unit: str, name: str) -> None:
+        tag = CollectiveTag(Role.REDUCE_GRAD, f"{unit}.{name}" if unit else name, unit, False)
+        full_rows = layout.rows_per_rank * world_size
+        if full_rows != layout.dim0:
+            grad = emit(graph, PAD_DIM0, (grad, full_rows), tag=tag)
+        outputs.append(emit(graph, WAIT, (emit(graph, REDUCE_SCATTER, (grad, "avg", world_size, group_name), tag=tag),), tag=tag))
+
+    x = fake_placeholder(graph, mode, "x", (BATCH, DIM))
+    shapes = {"embed": (7, DIM), "norm": (DIM,), "head": (7, DIM)}
+    shapes.update({f"layers.{i}.weight": (DIM, DIM) for i in range(n_layers)})
+    layouts = {name: ShardLayout(shape, world_size, rank, group_name) for name, shape in shapes.items()}
+    shards = {name: fake_placeholder(graph, mode, name.replace(".", "_"), layouts[name].local_shape) for name in shapes}
+    outputs: list[fx.Node] = []
+    root = {name: unshard(shards[name], layouts[name], "", name) for name in ("embed", "norm", "head")}
+    h = emit(graph, aten.mm.default, (x, emit(graph, aten.t.default, (emit(graph, aten.slice.Tensor, (root["embed"], 0, 0, DIM)),))))
+    for i in range(n_layers):
+        w = unshard(shards[f"layers.{i}.weight"], layouts[f"layers.{i}.weight"], f"layers.{i}", "weight")
+        h = emit(graph, aten.relu.default, (emit(graph, aten.mm.default, (h, emit(graph, aten.t.default, (w,)))),))
+    h = emit(graph, aten.mul.Tensor, (h, root["norm"]))
+    logits = emit(graph, aten.mm.default, (h, emit(graph, aten.t.default, (root["head"],))))
+    outputs.append(logits)
+    g_head = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (logits,)), h))  # [7, DIM]
+    reduce(g_head, layouts["head"], "", "head")
+    reduce(emit(graph, aten.sum.dim_IntList, (h, [0])), layouts["norm"], "", "norm")
+    g = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (h,)), h))  # [DIM, DIM]
+    for i in reversed(range(n_layers)):
+        g = emit(graph, aten.relu.default, (g,))
+        reduce(g, layouts[f"layers.{i}.weight"], f"layers.{i}", "weight")
+    g_embed = emit(graph, aten.slice.Tensor, (emit(graph, aten.repeat.default, (g, [2, 1])), 0, 0, 7))
+    reduce(g_embed, layouts["embed"], "", "embed")
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)

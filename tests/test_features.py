@@ -70,7 +70,7 @@ def clip_grad_norm_matches_reference(name: str = "mlp", max_norm: float = 0.01) 
     loss_fn(name, ref(x), y).backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     ref_opt.step()
-    _, norm = _step(model, torch.compile(model, backend="inductor"), opt, name, 0, clip=max_norm)
+    _, norm = _step(model, torch.compile(model, backend="inductor_passes"), opt, name, 0, clip=max_norm)
     norm = full_tensor(norm)
     return {"ref_norm": ref_norm, "norm": norm, "ref": {n: p.detach().clone() for n, p in ref.named_parameters()}, "ours": _full_params(model)}
 
@@ -404,7 +404,7 @@ def test_gradient_accumulation_matches_torch_fsdp2(pool2):
     fsdp2 = pool2.run(gradient_accumulation, "fsdp2", None)[0]
     eager = pool2.run(gradient_accumulation, "ours", None)[0]
     compiled = pool2.run(gradient_accumulation, "ours", "aot_eager")[0]
-    inductor = pool2.run(gradient_accumulation, "ours", "inductor")[0]
+    inductor = pool2.run(gradient_accumulation, "ours", "inductor_passes")[0]
     _equal(compiled["params"], eager["params"])  # same ops: bitwise
     assert compiled["losses"] == eager["losses"]
     for result in (eager, inductor):
@@ -423,7 +423,7 @@ def test_keeping_parameters_gathered_between_micro_batches_matches_torch_fsdp2(p
     fsdp2 = pool2.run(gradient_accumulation, "fsdp2", None, keep_gathered=True)[0]
     eager = pool2.run(gradient_accumulation, "ours", None, keep_gathered=True)[0]
     compiled = pool2.run(gradient_accumulation, "ours", "aot_eager", keep_gathered=True)[0]
-    inductor = pool2.run(gradient_accumulation, "ours", "inductor", keep_gathered=True)[0]
+    inductor = pool2.run(gradient_accumulation, "ours", "inductor_passes", keep_gathered=True)[0]
     _equal(compiled["params"], eager["params"])  # same ops: bitwise
     assert compiled["losses"] == eager["losses"]
     for result in (eager, inductor):
@@ -451,7 +451,7 @@ def test_a_forward_without_backward_does_not_change_later_training(pool2, backen
         _equal(after, plain)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor_passes"])
 def test_freezing_and_unfreezing_parameters_follows_the_unsharded_model(pool2, backend):
     """``requires_grad`` changed after ``fully_shard``, before the first compiled step and
     between steps: every step gives exactly the parameters the unsharded model gives a
@@ -501,8 +501,8 @@ def test_activation_checkpointing_eager_is_bitwise_equal_to_no_checkpointing(poo
 
 def test_activation_checkpointing_under_compile(pool2):
     """The same checkpointed model compiled: aot_eager trains bitwise like eager without
-    checkpointing, in one graph, and Inductor selective checkpointing to fp32 rounding
-    (full checkpointing under Inductor: test_real_models' checkpointed Llamas); and the
+    checkpointing, in one graph, and selective checkpointing through Inductor's partitioner
+    and our passes (``inductor_passes``) to fp32 rounding; and the
     compiled forward hands the backward fewer bytes (full < selective < none)."""
     without = pool2.run(train, "llama", "ours-eager")[0]
     for name in ("llama_ac", "llama_sac"):
@@ -510,7 +510,7 @@ def test_activation_checkpointing_under_compile(pool2):
         assert compiled["loss"] == without["loss"], name
         _equal(compiled["params"][-1], without["params"][-1])
         assert compiled["frames"] == 1
-    inductor = pool2.run(train, "llama_sac", "ours-inductor")[0]
+    inductor = pool2.run(train, "llama_sac", "ours-inductor_passes")[0]
     _equal(inductor["params"][-1], without["params"][-1], rtol=1e-5, atol=1e-6)
     assert inductor["frames"] == 1
     saved = {name: pool2.run(compiled_saved_bytes, name)[0] for name in ("llama", "llama_sac", "llama_ac")}

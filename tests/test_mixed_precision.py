@@ -32,10 +32,17 @@ def compiled_collective_dtypes(mp: str, name: str = "mlp") -> dict:
 _cache: dict = {}
 
 
+def _compiled_variant(name: str, mp: str) -> str:
+    """Compiled through our passes without Inductor's code generation (``inductor_passes``):
+    casts, gathers and reductions in low precision are handled there. bf16 under real
+    Inductor: ``test_examples.py`` (``examples/train.py --bf16``)."""
+    return "ours-inductor_passes"
+
+
 def _results(pool2, name: str, mp: str) -> dict:
     key = (name, mp)
     if key not in _cache:
-        variants = ["ours-eager", "ours-aot_eager", "ours-inductor", "fsdp2"]
+        variants = ["ours-eager", "ours-aot_eager", _compiled_variant(name, mp), "fsdp2"]
         _cache[key] = pool2.run(train_all, name, variants, 3, False, mp)[0]
     return _cache[key]
 
@@ -59,7 +66,7 @@ def test_matches_torch_fsdp2_with_the_same_policy(pool2, name, mp):
     r = _results(pool2, name, mp)
     _assert_records_equal(r["ours-eager"], r["ours-aot_eager"], exact=True, what=f"{mp}: aot_eager vs eager")
     # Same casts as FSDP2, but bf16 rounding of different kernels: bf16-level tolerance.
-    for variant in ("ours-eager", "ours-inductor"):
+    for variant in ("ours-eager", _compiled_variant(name, mp)):
         _assert_records_equal(r["fsdp2"], r[variant], exact=False, rtol=2e-2, atol=2e-3, what=f"{mp}: {variant} vs FSDP2")
 
 

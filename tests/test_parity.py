@@ -20,7 +20,14 @@ from tests.models import batch, build, compile_counting_graphs, loss_fn
 
 # ---------------------------------------------------------------- on every rank
 
-COMPILE_BACKENDS = {"ours-eager": None, "ours-aot_eager": "aot_eager", "ours-inductor": "inductor", "fsdp2": None}
+COMPILE_BACKENDS = {
+    "ours-eager": None,
+    "ours-aot_eager": "aot_eager",
+    "ours-inductor": "inductor",
+    # Inductor's graph pipeline with our passes, no code generation (fsdp_compile.testing._backends).
+    "ours-inductor_passes": "inductor_passes",
+    "fsdp2": None,
+}
 
 
 MIXED_PRECISION = {
@@ -71,7 +78,10 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
     rank, without communication); the others shard it over the pool's ranks and
     feed each rank its slice of the same global batch.
     """
-    for suffix in ("-a2a", "-gloo"):  # the same, counting the compiled code's collectives: -a2a with config.gloo_all_to_all, -gloo without
+    for suffix in (
+        "-a2a",
+        "-gloo",
+    ):  # the same, counting the compiled code's collectives: -a2a with config.gloo_all_to_all, -gloo without
         if variant.endswith(suffix):
             from torch._inductor.utils import run_and_get_code
 
@@ -122,7 +132,9 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
     return record
 
 
-def train_all(name: str, variants: list[str], steps: int = 3, with_eval: bool = False, mp: str | None = None, layout: str = "fsdp") -> dict:
+def train_all(
+    name: str, variants: list[str], steps: int = 3, with_eval: bool = False, mp: str | None = None, layout: str = "fsdp"
+) -> dict:
     return {v: train(name, v, steps, with_eval, mp, layout) for v in variants}
 
 
@@ -154,8 +166,10 @@ def results(pool2, request):
 
 
 def _assert_records_equal(a: dict, b: dict, *, exact: bool, rtol=1e-5, atol=1e-6, what="") -> None:
-    check = (lambda x, y, m: torch.testing.assert_close(x, y, rtol=0, atol=0, msg=m)) if exact else (
-        lambda x, y, m: torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=m)
+    check = (
+        (lambda x, y, m: torch.testing.assert_close(x, y, rtol=0, atol=0, msg=m))
+        if exact
+        else (lambda x, y, m: torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=m))
     )
     assert len(a["loss"]) == len(b["loss"])
     for step, (la, lb) in enumerate(zip(a["loss"], b["loss"], strict=True)):
@@ -181,7 +195,9 @@ def test_gloo_all_to_all_is_bitwise_equal_to_gloos_own_collectives(pool2):
     for variant in variants:
         _assert_records_equal(per_rank[0][variant], per_rank[1][variant], exact=True)
     result = per_rank[0]
-    _assert_records_equal(result["ours-inductor-a2a"], result["ours-inductor-gloo"], exact=True, what="all-to-all vs gloo's collectives")
+    _assert_records_equal(
+        result["ours-inductor-a2a"], result["ours-inductor-gloo"], exact=True, what="all-to-all vs gloo's collectives"
+    )
     assert result["ours-inductor-a2a"]["frames"] == 1
     # In the compiled code, every all-gather and reduce-scatter is an all-to-all.
     lowered, default = result["ours-inductor-a2a"]["collectives"], result["ours-inductor-gloo"]["collectives"]
@@ -218,6 +234,75 @@ def test_one_graph_no_recompiles(results, variant):
     The train/eval switch of ``zoo`` adds exactly one (eval, no-grad) graph."""
     with_eval = results["reference"]["eval_out"] is not None
     assert results[variant]["frames"] == (2 if with_eval else 1)
+
+
+def train_counting_post_grad_passes(name: str, variant: str) -> dict:
+    """``train``, and how many graphs our post-grad passes ran on meanwhile."""
+    from fsdp_compile.passes import registration
+
+    before = len([s for s in registration.pass_seconds if s[1] == "post_grad"])
+    record = train(name, variant, STEPS)
+    record["post_grad_graphs"] = len([s for s in registration.pass_seconds if s[1] == "post_grad"]) - before
+    return record
+
+
+def test_inductor_passes_backend_runs_our_passes_and_trains_as_inductor(pool2):
+    """The suite's ``"inductor_passes"`` backend (feature tests use it where Inductor's code
+    generation is not their subject) runs our post-grad passes on the forward and the
+    backward graph, as Inductor does, and trains as Inductor and the reference do."""
+    per_rank = pool2.run(train_counting_post_grad_passes, "llama", "ours-inductor_passes")
+    _assert_records_equal(per_rank[0], per_rank[1], exact=True, what="rank 0 vs rank 1")
+    passes = per_rank[0]
+    assert passes["post_grad_graphs"] == 2 and passes["frames"] == 1
+    inductor = pool2.run(train, "llama", "ours-inductor", STEPS)[0]
+    reference = pool2.run(train, "llama", "reference", STEPS)[0]
+    _assert_records_equal(reference, passes, exact=False, what="inductor_passes vs reference")
+    _assert_records_equal(inductor, passes, exact=False, what="inductor_passes vs inductor")
+
+
+def train_split(name: str, split_unit_min_mb: float | None) -> dict:
+    """``train`` through our passes (``inductor_passes``) with ``config.split_unit_min_mb``,
+    counting each graph's all-gathers and reduce-scatters after our passes, just before
+    the last one (pinning wraps them in ``control_deps``)."""
+    from fsdp_compile import config
+    from fsdp_compile.passes import registration
+    from fsdp_compile.runtime.vocabulary import our_collectives
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    pin_schedule = registration.pin_schedule
+
+    def counting_pin_schedule(graph, *args, **kwargs):
+        for c in our_collectives(graph):
+            counts[c.kind] += 1
+        return pin_schedule(graph, *args, **kwargs)
+
+    registration.pin_schedule = counting_pin_schedule
+    try:
+        with config.patch(split_unit_min_mb=split_unit_min_mb):
+            record = train(name, "ours-inductor_passes", STEPS)
+    finally:
+        registration.pin_schedule = pin_schedule
+    record["collectives"] = counts
+    return record
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_untied"])
+def test_a_root_used_apart_is_bucketed_per_run_and_trains_the_same(pool2, name):
+    """``split_unit_min_mb=0``: the root's parameters used before the layers (the token
+    embedding) and after them (final norm; the output projection where untied; a tied
+    one is used at both ends and stays with the embedding) get their own all-gather and
+    reduce-scatter: one more of each than one bucket per unit, and the same training as
+    without the split and as the single-process reference, in one graph."""
+    per_rank = pool2.run(train_split, name, 0.0)
+    whole = pool2.run(train_split, name, None)[0]
+    _assert_records_equal(per_rank[0], per_rank[1], exact=True, what="rank 0 vs rank 1")
+    split = per_rank[0]
+    reference = pool2.run(train, name, "reference", STEPS)[0]
+    _assert_records_equal(reference, split, exact=False, what="split vs reference")
+    _assert_records_equal(whole, split, exact=False, what="split vs one bucket per unit")
+    assert split["frames"] == whole["frames"] == 1
+    assert split["collectives"]["all_gather"] == whole["collectives"]["all_gather"] + 1 > 1
+    assert split["collectives"]["reduce_scatter"] == whole["collectives"]["reduce_scatter"] + 1 > 1
 
 
 def eager_collectives_per_step(name: str, **config_changes) -> dict:

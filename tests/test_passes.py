@@ -188,11 +188,11 @@ import copy  # noqa: E402
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_compile.passes.bucketing import bucket_collectives, plan_buckets  # noqa: E402
+from fsdp_compile.passes.bucketing import bucket_collectives, plan_buckets, split_by_use  # noqa: E402
 from fsdp_compile.passes.pinning import schedule_constraints  # noqa: E402
 from fsdp_compile.passes.reordering import reorder_for_overlap, tail_of  # noqa: E402
 from fsdp_compile.runtime.vocabulary import our_collectives, positions  # noqa: E402
-from tests.pass_graphs import build_unit_graph, fake_placeholder, node_signature  # noqa: E402
+from tests.pass_graphs import build_root_used_apart_graph, build_unit_graph, fake_placeholder, node_signature  # noqa: E402
 
 N_UNITS = 3
 
@@ -335,6 +335,92 @@ def test_bucket_cap():
     collectives = our_collectives(gm.graph)
     assert len(plan_buckets(collectives, cap_bytes=1)) == len(collectives)  # each alone
     assert len(plan_buckets(collectives, cap_bytes=None)) == 2 * N_UNITS
+
+
+def _unit_buckets(graph) -> list[tuple[str, str, list[str]]]:
+    return [(c.kind, c.tag.unit_fqn, c.tag.param_fqn.split(",")) for c in our_collectives(graph)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_unit_used_apart_gets_a_bucket_per_run_used_together(rank):
+    """The root's embedding is used first, its norm and head after every layer: with
+    ``split_min_bytes`` the root's all-gather and reduce-scatter each become one bucket
+    per run (embedding apart from norm + head), in the order the graph needs them; layers
+    keep one bucket each; the same sequence on a rank that pads (rank 1) as on one that
+    does not. Without it, one bucket per unit as before."""
+    split = build_root_used_apart_graph(2, rank, "0")
+    bucket_collectives(split.graph, split_min_bytes=0)
+    split.graph.lint()
+    assert _unit_buckets(split.graph) == [
+        ("all_gather", "", ["embed"]),
+        ("all_gather", "layers.0", ["layers.0.weight"]),
+        ("all_gather", "layers.1", ["layers.1.weight"]),
+        ("all_gather", "", ["norm", "head"]),
+        ("reduce_scatter", "", ["head", "norm"]),
+        ("reduce_scatter", "layers.1", ["layers.1.weight"]),
+        ("reduce_scatter", "layers.0", ["layers.0.weight"]),
+        ("reduce_scatter", "", ["embed"]),
+    ]
+    # Issued where they are needed, norm + head are then prefetched as any bucket: before
+    # the wait of the bucket issued before them (the last layer's), not at the step's start.
+    reorder_for_overlap(split.graph)
+    order = positions(split.graph)
+    gathers = {c.tag.param_fqn: c for c in our_collectives(split.graph, "all_gather")}
+    assert order[gathers["layers.0.weight"].wait] < order[gathers["norm,head"].issue] < order[gathers["layers.1.weight"].wait]
+
+    whole = build_root_used_apart_graph(2, rank, "0")
+    bucket_collectives(whole.graph)
+    assert [b for b in _unit_buckets(whole.graph) if b[1] == ""] == [
+        ("all_gather", "", ["embed", "norm", "head"]),
+        ("reduce_scatter", "", ["head", "norm", "embed"]),
+    ]
+
+
+def test_a_split_keeps_no_run_smaller_than_the_threshold():
+    """Runs below ``split_min_bytes`` (gathered bytes) join their neighbour: norm (DIM
+    floats) alone never splits off, and a threshold above every run keeps one bucket."""
+    sizes = {}
+    gm = build_root_used_apart_graph(2, 0, "0")
+    for c in our_collectives(gm.graph, "all_gather"):
+        sizes[c.tag.param_fqn] = c.input_bytes * c.world_size
+    between = min(sizes["embed"], sizes["head"] + sizes["norm"])  # the smaller run's bytes
+    for threshold, root_gathers in (
+        (0, [["embed"], ["norm", "head"]]),
+        (between, [["embed"], ["norm", "head"]]),
+        (between + 1, [["embed", "norm", "head"]]),
+    ):
+        gm = build_root_used_apart_graph(2, 0, "0")
+        buckets = plan_buckets(our_collectives(gm.graph), split_min_bytes=threshold)
+        got = [[m.tag.param_fqn for m in b.members] for b in buckets if b.kind == "all_gather" and b.members[0].tag.unit_fqn == ""]
+        assert got == root_gathers, threshold
+
+
+def test_split_by_use_is_a_partition_in_member_order():
+    """Pure function: every member in exactly one run, runs in use order, members in a
+    run in their original order; a boundary wherever another unit's position falls
+    between two members' positions."""
+
+    class Member:
+        def __init__(self, name, nbytes):
+            self.name, self.input_bytes, self.world_size = name, nbytes, 2
+
+    members = [Member(n, b) for n, b in (("a", 8), ("b", 8), ("c", 1), ("d", 8))]
+    where = {"a": 0, "b": 5, "c": 6, "d": 20}
+    runs = split_by_use(members, others=[3, 10], position=lambda m: where[m.name], min_gathered_bytes=0)
+    assert [[m.name for m in r] for r in runs] == [["a"], ["b", "c"], ["d"]]
+    # c's run alone would be 2 bytes: with a 16-byte threshold it joins b's run anyway;
+    # at 20 bytes "a" (16) is small and takes b and c in; "d" (16) then joins them.
+    runs = split_by_use(members, others=[3, 10], position=lambda m: where[m.name], min_gathered_bytes=20)
+    assert [[m.name for m in r] for r in runs] == [["a", "b", "c", "d"]]
+    runs = split_by_use(members, others=[], position=lambda m: where[m.name], min_gathered_bytes=0)
+    assert [[m.name for m in r] for r in runs] == [["a", "b", "c", "d"]]
+    # All-reduces (HSDP's replicate dimension) have no world size: their input bytes count.
+    for m in members:
+        m.world_size = None
+    runs = split_by_use(members, others=[3, 10], position=lambda m: where[m.name], min_gathered_bytes=8)
+    assert [[m.name for m in r] for r in runs] == [["a"], ["b", "c"], ["d"]]
+    runs = split_by_use(members, others=[3, 10], position=lambda m: where[m.name], min_gathered_bytes=9)
+    assert [[m.name for m in r] for r in runs] == [["a", "b", "c", "d"]]
 
 
 def test_ranks_with_and_without_padding_issue_the_same_sequence():

@@ -519,13 +519,15 @@ def test_transformers_own_tp_plan_matches_reference_and_fsdp2(pool4, arch):
     assert ours_aot["graphs"] == tp_only["graphs"]
 
 
-def test_uneven_tensor_parallel_shards_under_inductor(pool4):
+def test_uneven_tensor_parallel_shards_through_our_passes(pool4):
     """An MLP width (101) that ``transformers``' own Llama plan splits 51/50 over TP (torch's
     ``ColwiseParallel`` rejects it): the two data-parallel groups gather different sizes,
     legitimately. The cross-rank check compares only ranks that share
-    a group (it reported a mismatch between the groups, and the step never ran)."""
+    a group (it reported a mismatch between the groups, and the step never ran). Compiled
+    through our post-grad passes, where the check is inserted (``inductor_passes``; FSDP +
+    TP under real Inductor: ``test_fsdp_tp_sp_under_inductor_matches_reference``)."""
     pytest.importorskip("transformers")
     reference = pool4.run(train_hf_own_plan, "reference", "llama", STEPS, 101)[0]
-    ours_inductor = pool4.run(train_hf_own_plan, "ours:inductor", "llama", STEPS, 101)[0]
+    ours_inductor = pool4.run(train_hf_own_plan, "ours:inductor_passes", "llama", STEPS, 101)[0]
     assert ours_inductor["graphs"] == 1
     assert _max_gap(ours_inductor, reference) < 1e-5

@@ -67,6 +67,9 @@ def _worker_main(
     # several ranks on one machine those pools held much of the memory (on a 24 GiB
     # machine a rank died mid-collective). The ranks already run in parallel.
     compile_in_this_process()
+    from fsdp_compile.testing._backends import register_test_backends
+
+    register_test_backends()
     if backend == "fake":
         from fsdp_compile._compat import register_fake_process_group
 

@@ -19,6 +19,14 @@ import pytest
 from fsdp_compile.testing._rank_pool import RankPool
 
 
+def pytest_configure(config) -> None:
+    """``torch.compile(..., backend="inductor_passes")`` in the test process too (see
+    ``fsdp_compile.testing._backends``)."""
+    from fsdp_compile.testing._backends import register_test_backends
+
+    register_test_backends()
+
+
 @pytest.fixture(scope="session")
 def rank_pools():
     """``rank_pools(world_size, backend="gloo")``: a pool per size, kept for the session.

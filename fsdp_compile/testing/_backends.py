@@ -1,0 +1,45 @@
+"""``torch.compile`` backends for tests: Inductor's graph pipeline without its code generation.
+
+``"inductor_passes"`` runs what Inductor runs up to its post-grad passes
+(decompositions, joint-graph passes, our reshard-after-forward tagging, the
+min-cut partitioner, Inductor's post-grad passes and ours: bucketing,
+reordering, pinning, the gloo transport), then runs the resulting forward and
+backward graphs op by op instead of generating and compiling C++ for them.
+
+What it checks is what our passes do to a graph: every bucketed, reordered,
+re-gathered collective runs for real, and the numbers must come out as under
+Inductor (the graphs hold the same decomposed ops; only Inductor's fusion and
+its kernels' rounding are missing). What it does not check is Inductor's code
+generation for our graphs; the suite keeps that under real ``"inductor"`` in
+the parity, real-model, schedule and tensor-parallel tests. On this suite's
+2-core machine a first Inductor compile of a small model spends most of its
+time compiling C++ (64 s cold against 9 s warm for one test), which is why
+feature tests whose subject is not code generation use this backend.
+
+Registered by name only in test processes (the pytest plugin and every rank of
+a :class:`~fsdp_compile.testing.RankPool`): importing ``fsdp_compile`` registers
+nothing.
+"""
+
+from __future__ import annotations
+
+INDUCTOR_PASSES = "inductor_passes"
+
+
+def inductor_passes(gm, example_inputs):
+    """A ``torch.compile`` backend: Inductor's pipeline through the post-grad passes, the
+    graphs then run as they are. AOTAutograd's cache is off for these graphs: what this
+    backend produces is not Inductor's compiled code and must never be loaded as such."""
+    import torch._functorch.config as functorch_config
+
+    from fsdp_compile._compat import compile_fx_up_to_post_grad
+
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx_up_to_post_grad()(gm, example_inputs)
+
+
+def register_test_backends() -> None:
+    """Idempotent: make ``torch.compile(..., backend="inductor_passes")`` resolve in this process."""
+    from fsdp_compile._compat import register_dynamo_backend
+
+    register_dynamo_backend(INDUCTOR_PASSES, inductor_passes)
