@@ -259,13 +259,14 @@ def test_gloo_all_to_all_on_4_ranks_matches_the_reference(pool4, layout):
     torch's order rather than gloo's) and HSDP 2x2 (mesh groups; the replicate
     dimension's all-reduces stay): every rank the same, within fp32 rounding of the
     single-process reference; the compiled code's all-gathers and reduce-scatters are
-    all-to-alls. (Against gloo's own collectives: bitwise on 2 ranks, test_parity.)"""
-    variants = ["reference", "ours-inductor-a2a"]
+    all-to-alls, in the graphs after our passes (``inductor_passes``; in Inductor's code,
+    and bitwise against gloo's own collectives on 2 ranks: test_parity)."""
+    variants = ["reference", "ours-inductor_passes-a2a"]
     per_rank = pool4.run(train_all, "llama", variants, 3, False, None, layout)
     for other in per_rank[1:]:
         for v in variants:
             _assert_records_equal(per_rank[0][v], other[v], exact=True, what=v)
     result = per_rank[0]
-    _assert_records_equal(result["ours-inductor-a2a"], result["reference"], exact=False, what="all-to-all vs reference")
-    collectives = result["ours-inductor-a2a"]["collectives"]
+    _assert_records_equal(result["ours-inductor_passes-a2a"], result["reference"], exact=False, what="all-to-all vs reference")
+    collectives = result["ours-inductor_passes-a2a"]["collectives"]
     assert collectives["all_gather_into_tensor"] == collectives["reduce_scatter_tensor"] == 0 < collectives["all_to_all_single"]

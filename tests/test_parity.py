@@ -81,16 +81,21 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
     for suffix in (
         "-a2a",
         "-gloo",
-    ):  # the same, counting the compiled code's collectives: -a2a with config.gloo_all_to_all, -gloo without
+    ):  # the same, counting the compiled step's collectives: -a2a with config.gloo_all_to_all, -gloo without
         if variant.endswith(suffix):
-            from torch._inductor.utils import run_and_get_code
-
             from fsdp_compile import config
 
-            with config.patch(gloo_all_to_all=suffix == "-a2a"):
-                record, codes = run_and_get_code(train, name, variant.removesuffix(suffix), steps, with_eval, mp, layout)
             ops = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
-            record["collectives"] = {op: sum(code.count(f"_c10d_functional.{op}.default(") for code in codes) for op in ops}
+            base = variant.removesuffix(suffix)
+            with config.patch(gloo_all_to_all=suffix == "-a2a"):
+                if COMPILE_BACKENDS[base] == "inductor":  # in Inductor's code
+                    from torch._inductor.utils import run_and_get_code
+
+                    record, codes = run_and_get_code(train, name, base, steps, with_eval, mp, layout)
+                    counts = {op: sum(code.count(f"_c10d_functional.{op}.default(") for code in codes) for op in ops}
+                else:  # in the graphs after our passes
+                    record, counts = _counting_collectives_after_our_passes(train, name, base, steps, with_eval, mp, layout)
+            record["collectives"] = counts
             return record
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, units = build(name)
@@ -130,6 +135,29 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
         train_step(steps)
     record["frames"] = counter.frame_count if counter else None
     return record
+
+
+def _counting_collectives_after_our_passes(fn, *args) -> tuple:
+    """``fn(*args)``, and how many nodes of each collective op (by name) the graphs hold
+    after our post-grad passes, counted just before their last one (pinning wraps the
+    collectives in ``control_deps``)."""
+    from fsdp_compile.passes import registration
+
+    counts: dict[str, int] = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_to_all_single": 0}
+    pin_schedule = registration.pin_schedule
+
+    def counting_pin_schedule(graph, *pin_args, **pin_kwargs):
+        for node in graph.nodes:
+            op = getattr(node.target, "__name__", "").split(".")[0]
+            if node.op == "call_function" and op in counts:
+                counts[op] += 1
+        return pin_schedule(graph, *pin_args, **pin_kwargs)
+
+    registration.pin_schedule = counting_pin_schedule
+    try:
+        return fn(*args), counts
+    finally:
+        registration.pin_schedule = pin_schedule
 
 
 def train_all(
