@@ -336,7 +336,9 @@ def apply_buckets(graph: fx.Graph, buckets: list[Bucket]) -> None:
         )
         if len(bucket.members) >= 2:
             _MERGE[bucket.kind](graph, bucket)
-    stable_topological_sort(graph)
+        elif bucket.issue_at_use:  # a lone split-off all-gather: nothing to merge, only to move
+            move_before([bucket.members[0].issue], _use_anchor(bucket.members))
+    stable_topological_sort(graph)  # (a moved issue's wait and unpadding chain follow it)
     graph.lint()
 
 

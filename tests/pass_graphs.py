@@ -115,13 +115,16 @@ def node_signature(graph: fx.Graph) -> set:
     return {(n.name, str(n.target), tuple(str(a) for a in n.all_input_nodes)) for n in graph.nodes}
 
 
-def build_root_used_apart_graph(world_size: int, rank: int, group_name: str, n_layers: int = 2) -> fx.GraphModule:
+def build_root_used_apart_graph(
+    world_size: int, rank: int, group_name: str, n_layers: int = 2, with_norm: bool = True
+) -> fx.GraphModule:
     """A root unit (``""``) whose parameters are used apart, as a decoder's token
     embedding and output projection: the root's all-gathers are traced together at the
-    step's start, ``embed`` used first, ``norm`` and ``head`` after every layer; each
-    layer a unit of its own. Backward-like tail: ``head``'s and ``norm``'s gradients
-    reduced first, then the layers', ``embed``'s last. ``embed``/``head`` have 7 rows
-    (rank 1 of 2 pads them); the shapes carry fake values only (structure tests)."""
+    step's start, ``embed`` used first, ``norm`` (unless ``with_norm=False``) and ``head``
+    after every layer; each layer a unit of its own. Backward-like tail: ``head``'s and
+    ``norm``'s gradients reduced first, then the layers', ``embed``'s last.
+    ``embed``/``head`` have 7 rows (rank 1 of 2 pads them); the shapes carry fake values
+    only (structure tests)."""
     graph = fx.Graph()
     mode = FakeTensorMode()
 
@@ -143,22 +146,24 @@ def build_root_used_apart_graph(world_size: int, rank: int, group_name: str, n_l
         outputs.append(emit(graph, WAIT, (emit(graph, REDUCE_SCATTER, (grad, "avg", world_size, group_name), tag=tag),), tag=tag))
 
     x = fake_placeholder(graph, mode, "x", (BATCH, DIM))
-    shapes = {"embed": (7, DIM), "norm": (DIM,), "head": (7, DIM)}
+    shapes = {"embed": (7, DIM), "norm": (DIM,), "head": (7, DIM)} if with_norm else {"embed": (7, DIM), "head": (7, DIM)}
     shapes.update({f"layers.{i}.weight": (DIM, DIM) for i in range(n_layers)})
     layouts = {name: ShardLayout(shape, world_size, rank, group_name) for name, shape in shapes.items()}
     shards = {name: fake_placeholder(graph, mode, name.replace(".", "_"), layouts[name].local_shape) for name in shapes}
     outputs: list[fx.Node] = []
-    root = {name: unshard(shards[name], layouts[name], "", name) for name in ("embed", "norm", "head")}
+    root = {name: unshard(shards[name], layouts[name], "", name) for name in shapes if "." not in name}
     h = emit(graph, aten.mm.default, (x, emit(graph, aten.t.default, (emit(graph, aten.slice.Tensor, (root["embed"], 0, 0, DIM)),))))
     for i in range(n_layers):
         w = unshard(shards[f"layers.{i}.weight"], layouts[f"layers.{i}.weight"], f"layers.{i}", "weight")
         h = emit(graph, aten.relu.default, (emit(graph, aten.mm.default, (h, emit(graph, aten.t.default, (w,)))),))
-    h = emit(graph, aten.mul.Tensor, (h, root["norm"]))
+    if with_norm:
+        h = emit(graph, aten.mul.Tensor, (h, root["norm"]))
     logits = emit(graph, aten.mm.default, (h, emit(graph, aten.t.default, (root["head"],))))
     outputs.append(logits)
     g_head = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (logits,)), h))  # [7, DIM]
     reduce(g_head, layouts["head"], "", "head")
-    reduce(emit(graph, aten.sum.dim_IntList, (h, [0])), layouts["norm"], "", "norm")
+    if with_norm:
+        reduce(emit(graph, aten.sum.dim_IntList, (h, [0])), layouts["norm"], "", "norm")
     g = emit(graph, aten.mm.default, (emit(graph, aten.t.default, (h,)), h))  # [DIM, DIM]
     for i in reversed(range(n_layers)):
         g = emit(graph, aten.relu.default, (g,))

@@ -290,26 +290,11 @@ def test_inductor_passes_backend_runs_our_passes_and_trains_as_inductor(pool2):
 
 def train_split(name: str, split_unit_min_mb: float | None) -> dict:
     """``train`` through our passes (``inductor_passes``) with ``config.split_unit_min_mb``,
-    counting each graph's all-gathers and reduce-scatters after our passes, just before
-    the last one (pinning wraps them in ``control_deps``)."""
+    counting the collectives in the graphs after our passes (gloo's own: one node each)."""
     from fsdp_compile import config
-    from fsdp_compile.passes import registration
-    from fsdp_compile.runtime.vocabulary import our_collectives
 
-    counts = {"all_gather": 0, "reduce_scatter": 0}
-    pin_schedule = registration.pin_schedule
-
-    def counting_pin_schedule(graph, *args, **kwargs):
-        for c in our_collectives(graph):
-            counts[c.kind] += 1
-        return pin_schedule(graph, *args, **kwargs)
-
-    registration.pin_schedule = counting_pin_schedule
-    try:
-        with config.patch(split_unit_min_mb=split_unit_min_mb):
-            record = train(name, "ours-inductor_passes", STEPS)
-    finally:
-        registration.pin_schedule = pin_schedule
+    with config.patch(split_unit_min_mb=split_unit_min_mb, gloo_all_to_all=False):
+        record, counts = _counting_collectives_after_our_passes(train, name, "ours-inductor_passes", STEPS)
     record["collectives"] = counts
     return record
 
@@ -329,8 +314,8 @@ def test_a_root_used_apart_is_bucketed_per_run_and_trains_the_same(pool2, name):
     _assert_records_equal(reference, split, exact=False, what="split vs reference")
     _assert_records_equal(whole, split, exact=False, what="split vs one bucket per unit")
     assert split["frames"] == whole["frames"] == 1
-    assert split["collectives"]["all_gather"] == whole["collectives"]["all_gather"] + 1 > 1
-    assert split["collectives"]["reduce_scatter"] == whole["collectives"]["reduce_scatter"] + 1 > 1
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        assert split["collectives"][op] == whole["collectives"][op] + 1 > 1, op
 
 
 def eager_collectives_per_step(name: str, **config_changes) -> dict:

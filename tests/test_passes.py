@@ -376,6 +376,26 @@ def test_a_unit_used_apart_gets_a_bucket_per_run_used_together(rank):
     ]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_lone_split_off_all_gather_is_moved_to_its_use(rank):
+    """A run of one parameter (the output projection of a root without a final norm) has
+    nothing to merge: its all-gather still leaves the step's start for where it is used,
+    after the layers' gathers, and reordering prefetches it one bucket ahead."""
+    gm = build_root_used_apart_graph(2, rank, "0", with_norm=False)
+    bucket_collectives(gm.graph, split_min_bytes=0)
+    gm.graph.lint()
+    assert [b for b in _unit_buckets(gm.graph) if b[0] == "all_gather"] == [
+        ("all_gather", "", ["embed"]),
+        ("all_gather", "layers.0", ["layers.0.weight"]),
+        ("all_gather", "layers.1", ["layers.1.weight"]),
+        ("all_gather", "", ["head"]),
+    ]
+    reorder_for_overlap(gm.graph)
+    order = positions(gm.graph)
+    gathers = {c.tag.param_fqn: c for c in our_collectives(gm.graph, "all_gather")}
+    assert order[gathers["layers.0.weight"].wait] < order[gathers["head"].issue] < order[gathers["layers.1.weight"].wait]
+
+
 def test_a_split_keeps_no_run_smaller_than_the_threshold():
     """Runs below ``split_min_bytes`` (gathered bytes) join their neighbour: norm (DIM
     floats) alone never splits off, and a threshold above every run keeps one bucket."""
