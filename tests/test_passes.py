@@ -342,21 +342,24 @@ def _unit_buckets(graph) -> list[tuple[str, str, list[str]]]:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_unit_used_apart_gets_a_bucket_per_run_used_together(rank):
+@pytest.mark.parametrize("with_norm", [True, False], ids=["norm_and_head", "head_alone"])
+def test_a_unit_used_apart_gets_a_bucket_per_run_used_together(rank, with_norm):
     """The root's embedding is used first, its norm and head after every layer: with
     ``split_min_bytes`` the root's all-gather and reduce-scatter each become one bucket
     per run (embedding apart from norm + head), in the order the graph needs them; layers
     keep one bucket each; the same sequence on a rank that pads (rank 1) as on one that
-    does not. Without it, one bucket per unit as before."""
-    split = build_root_used_apart_graph(2, rank, "0")
+    does not. A run of one parameter (a head without a norm) has nothing to merge and is
+    moved to its use all the same. Without ``split_min_bytes``, one bucket per unit."""
+    late = ["norm", "head"] if with_norm else ["head"]
+    split = build_root_used_apart_graph(2, rank, "0", with_norm=with_norm)
     bucket_collectives(split.graph, split_min_bytes=0)
     split.graph.lint()
     assert _unit_buckets(split.graph) == [
         ("all_gather", "", ["embed"]),
         ("all_gather", "layers.0", ["layers.0.weight"]),
         ("all_gather", "layers.1", ["layers.1.weight"]),
-        ("all_gather", "", ["norm", "head"]),
-        ("reduce_scatter", "", ["head", "norm"]),
+        ("all_gather", "", late),
+        ("reduce_scatter", "", late[::-1]),
         ("reduce_scatter", "layers.1", ["layers.1.weight"]),
         ("reduce_scatter", "layers.0", ["layers.0.weight"]),
         ("reduce_scatter", "", ["embed"]),
@@ -366,34 +369,14 @@ def test_a_unit_used_apart_gets_a_bucket_per_run_used_together(rank):
     reorder_for_overlap(split.graph)
     order = positions(split.graph)
     gathers = {c.tag.param_fqn: c for c in our_collectives(split.graph, "all_gather")}
-    assert order[gathers["layers.0.weight"].wait] < order[gathers["norm,head"].issue] < order[gathers["layers.1.weight"].wait]
+    assert order[gathers["layers.0.weight"].wait] < order[gathers[",".join(late)].issue] < order[gathers["layers.1.weight"].wait]
 
-    whole = build_root_used_apart_graph(2, rank, "0")
+    whole = build_root_used_apart_graph(2, rank, "0", with_norm=with_norm)
     bucket_collectives(whole.graph)
     assert [b for b in _unit_buckets(whole.graph) if b[1] == ""] == [
-        ("all_gather", "", ["embed", "norm", "head"]),
-        ("reduce_scatter", "", ["head", "norm", "embed"]),
+        ("all_gather", "", ["embed", *late]),
+        ("reduce_scatter", "", [*late[::-1], "embed"]),
     ]
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_lone_split_off_all_gather_is_moved_to_its_use(rank):
-    """A run of one parameter (the output projection of a root without a final norm) has
-    nothing to merge: its all-gather still leaves the step's start for where it is used,
-    after the layers' gathers, and reordering prefetches it one bucket ahead."""
-    gm = build_root_used_apart_graph(2, rank, "0", with_norm=False)
-    bucket_collectives(gm.graph, split_min_bytes=0)
-    gm.graph.lint()
-    assert [b for b in _unit_buckets(gm.graph) if b[0] == "all_gather"] == [
-        ("all_gather", "", ["embed"]),
-        ("all_gather", "layers.0", ["layers.0.weight"]),
-        ("all_gather", "layers.1", ["layers.1.weight"]),
-        ("all_gather", "", ["head"]),
-    ]
-    reorder_for_overlap(gm.graph)
-    order = positions(gm.graph)
-    gathers = {c.tag.param_fqn: c for c in our_collectives(gm.graph, "all_gather")}
-    assert order[gathers["layers.0.weight"].wait] < order[gathers["head"].issue] < order[gathers["layers.1.weight"].wait]
 
 
 def test_a_split_keeps_no_run_smaller_than_the_threshold():
