@@ -514,6 +514,15 @@ def compile_fx_up_to_post_grad():
     return backend
 
 
+def control_deps_runs_eagerly() -> bool:
+    """torch/_inductor/fx_passes/control_dependencies.py: whether ``control_deps`` (our
+    pinning pass wraps nodes in it) has an eager kernel, so a pinned graph runs op by op
+    (``fsdp_compile.testing``'s ``inductor_passes``); torch 2.11's has only Inductor's lowering."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    return bool(getattr(control_deps, "py_kernels", None))
+
+
 def register_dynamo_backend(name: str, compiler_fn) -> None:
     """torch/_dynamo/backends/registry.py: make ``torch.compile(backend=name)`` resolve to
     ``compiler_fn`` in this process; idempotent (the registry refuses a name twice)."""
@@ -622,6 +631,7 @@ __all__ = [
     "is_strided_shard",
     "compile_fx_up_to_post_grad",
     "register_dynamo_backend",
+    "control_deps_runs_eagerly",
     "in_backward_recompute",
     "outside_dispatch_modes",
     "register_fake_process_group",
