@@ -125,9 +125,9 @@ def split_by_use(members: list[Collective], others: list[int], position, min_gat
     starts wherever a position in ``others`` (other units' collectives of the same kind)
     falls between two consecutive members. A run gathering fewer than
     ``min_gathered_bytes`` (unsharded bytes: input bytes x world size; an all-reduce's
-    input bytes) joins the run
-    before it (the first run, the one after it), so no run is small. Pure: positions
-    in, runs (each in the members' original order) out; every member in exactly one run."""
+    input bytes) joins the run before it (the first run, the one after it), so no run
+    is small. Pure: positions in, runs (in use order, each in the members' original
+    order) out; every member in exactly one run."""
     ranked = sorted(members, key=position)
     others = sorted(others)
     runs: list[list[Collective]] = [[ranked[0]]]
