@@ -20,9 +20,11 @@ def _parity(build, batch, backends, pool, **kwargs):
 
 def test_qlora_nf4_trains_like_the_single_process_model(pool2):
     """Frozen NF4 base weights, trainable adapters: eager and compiled (one graph, as the
-    unsharded model) train like the single-process model."""
-    report = _parity(models.build_qlora, models.batch, ("eager", "aot_eager", "inductor"), pool2, check_graph_count=True)
-    assert report.graphs["ours:aot_eager"] == report.graphs["ours:inductor"] == report.graphs["unsharded"] == 1
+    unsharded model; through Inductor's graph pipeline and our passes, ``inductor_passes``:
+    real Inductor's code for low-precision gathers is the float8 test's) train like the
+    single-process model."""
+    report = _parity(models.build_qlora, models.batch, ("eager", "aot_eager", "inductor_passes"), pool2, check_graph_count=True)
+    assert report.graphs["ours:aot_eager"] == report.graphs["ours:inductor_passes"] == report.graphs["unsharded"] == 1
     assert max(report.max_param_gap.values()) <= 1e-5 and max(report.max_loss_gap.values()) <= 1e-5
 
 
