@@ -263,14 +263,16 @@ def test_environment_variable_dump_and_torch_logs(tmp_path):
         import torch, torch.distributed as dist
         import fsdp_compile
         from fsdp_compile._compat import register_fake_process_group
+        from fsdp_compile.testing._backends import register_test_backends
         from fsdp_compile.testing.models import MLPStack
+        register_test_backends()  # inductor_passes: Inductor's passes and ours, no code generation
         register_fake_process_group()
         dist.init_process_group("fake", rank=0, world_size=4)
         model = MLPStack(dim=8, n_layers=2, bias=True)
         for layer in model.layers:
             fsdp_compile.fully_shard(layer)
         fsdp_compile.fully_shard(model)
-        torch.compile(model)(torch.randn(2, 8)).sum().backward()
+        torch.compile(model, backend="inductor_passes")(torch.randn(2, 8)).sum().backward()
         """
     )
     env = dict(os.environ, FSDP_COMPILE_DUMP=str(tmp_path), TORCH_LOGS="+fsdp_compile")
