@@ -143,7 +143,18 @@ def test_ranks_with_different_shapes_fail_together(pool2):
         assert "shape [8, 8]" in message and "shape [9, 8]" in message
 
 
-def test_pool_reports_failing_rank_and_recovers(pool2):
+@pytest.fixture(scope="module")
+def throwaway_pool():
+    """2 ranks of their own for the tests that kill them: the session's pool keeps its
+    warm processes (imports, compiled kernels); a short grace once a rank failed."""
+    from fsdp_compile.testing import RankPool
+
+    with RankPool(2, failure_grace_s=3.0) as pool:
+        yield pool
+
+
+def test_pool_reports_failing_rank_and_recovers(throwaway_pool):
+    pool2 = throwaway_pool
     # The hung rank's report carries its Python stack: where it waited.
     with pytest.raises(
         RankFailure,
@@ -153,9 +164,10 @@ def test_pool_reports_failing_rank_and_recovers(pool2):
     assert pool2.run(rank_and_world) == [(0, 2), (1, 2)]
 
 
-def test_pool_reports_a_native_crash_with_signal_and_stack(pool2):
+def test_pool_reports_a_native_crash_with_signal_and_stack(throwaway_pool):
     """A rank killed by a signal is reported as such, with the Python stack it died in
     (faulthandler): a heap corruption in CI otherwise said only "process died"."""
+    pool2 = throwaway_pool
     with pytest.raises(
         RankFailure,
         match=r"(?s)rank 1 ---\nprocess died \(killed by SIGABRT\); its Python stacks when it died:\n.*line \d+ in crash_on_rank",

@@ -341,7 +341,8 @@ def test_set_reshard_after_forward_changes_the_backward_graph(fake_pg):
 def test_pass_time_is_recorded_per_graph(fake_pg):
     """Every graph our passes run on records what they took (benchmarks.step_time
     reports the sum per compile): the joint graph, then the forward and the backward.
-    (Cold caches: a graph found in Inductor's cache skips the post-grad passes.)"""
+    (Cold caches: a graph found in Inductor's cache skips the post-grad passes.
+    ``inductor_passes``: Inductor's graph pipeline without its code generation.)"""
     from torch._inductor.utils import fresh_cache
 
     from fsdp_compile.passes.registration import pass_seconds
@@ -349,7 +350,7 @@ def test_pass_time_is_recorded_per_graph(fake_pg):
     before = len(pass_seconds)
     model = shard_blocks(MLPStack(dim=16, n_layers=2))
     with fresh_cache():
-        torch.compile(model, backend="inductor", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
+        torch.compile(model, backend="inductor_passes", fullgraph=True)(torch.randn(2, 16, requires_grad=True)).sum().backward()
     recorded = pass_seconds[before:]
     assert [stage for _, stage, _ in recorded] == ["joint", "post_grad", "post_grad"], recorded
     assert all(seconds > 0 for *_, seconds in recorded)

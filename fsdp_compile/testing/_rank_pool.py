@@ -100,11 +100,22 @@ class RankPool:
     >>> pool.run(some_module.fn, arg)  # fn(arg) on every rank; list of results by rank
     """
 
-    def __init__(self, world_size: int = 2, backend: str = "gloo", *, timeout_s: float = 300.0, pg_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        world_size: int = 2,
+        backend: str = "gloo",
+        *,
+        timeout_s: float = 300.0,
+        pg_timeout_s: float = 120.0,
+        failure_grace_s: float = 10.0,
+    ):
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
         self.pg_timeout_s = pg_timeout_s
+        #: Once a rank failed, how long its peers may still answer (with their own error)
+        #: before those that did not are reported as hung and the pool is stopped.
+        self.failure_grace_s = failure_grace_s
         self._procs: list = []
         self._conns: list[Connection] = []
         self._stack_files: list[str] = []
@@ -175,7 +186,7 @@ class RankPool:
         while pending:
             # Once a rank failed, its peers get a short grace period: they are
             # likely blocked in a collective that will never complete.
-            limit = min(deadline, self._first_error_at + 10) if errors else deadline
+            limit = min(deadline, self._first_error_at + self.failure_grace_s) if errors else deadline
             remaining = limit - time.monotonic()
             ready = wait(list(pending.values()), timeout=max(0.0, remaining)) if remaining > 0 else []
             if not ready:
