@@ -591,6 +591,17 @@ def compile_in_this_process() -> None:
     inductor_config.compile_threads = 1
 
 
+def skip_side_effect_messages() -> None:
+    """torch/_dynamo/config.py ``side_effect_replay_policy = "silent"``: Dynamo stops
+    formatting a message, with the user's stack, for every object a graph mutates (it
+    builds them whether or not ``TORCH_LOGS=side_effects`` is on; a sharded forward
+    mutates each parameter's record). Test processes only: the messages cost a few
+    percent of every compile."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.side_effect_replay_policy = "silent"
+
+
 def inductor_comm_overlap_flags() -> dict[str, bool]:
     """torch/_inductor/config.py: the Inductor flags that make its scheduler move
     collectives and waits to overlap compute by itself, with their current values

@@ -148,8 +148,9 @@ def throwaway_pool():
     """2 ranks of their own for the tests that kill them: the session's pool keeps its
     warm processes (imports, compiled kernels); a short grace once a rank failed."""
     from fsdp_compile.testing import RankPool
+    from fsdp_compile.testing._rank_pool import fastest_start_method
 
-    with RankPool(2, failure_grace_s=3.0) as pool:
+    with RankPool(2, failure_grace_s=3.0, start_method=fastest_start_method()) as pool:
         yield pool
 
 

@@ -6,6 +6,16 @@ the same function (a picklable, module-level callable) to every rank, waits
 for all answers, and raises with every failing rank's traceback. A rank that
 fails or hangs poisons the group (its peers may be stuck in a collective), so
 the pool is then torn down and restarted on the next call.
+
+Ranks are spawned (a fresh interpreter each) unless ``start_method="forkserver"``:
+then they are forked from a server that has already imported torch, fsdp_compile
+and the compiler's modules (:data:`PRELOADED`), so a rank starts in a fraction of
+a second instead of importing them again (several seconds of CPU each: the test
+suite starts dozens of ranks; its fixtures use it, see
+:func:`fastest_start_method`). Each rank still gets the environment the parent has
+when the pool starts, but modules the server preloaded read theirs when it started
+(torch's configuration from ``TORCHINDUCTOR_*`` variables, glibc's ``MALLOC_*``):
+benchmarks, which set such variables, spawn.
 """
 
 from __future__ import annotations
@@ -22,6 +32,24 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
+
+#: Imported once by the ``forkserver`` the ranks are forked from (a missing optional
+#: package is skipped).
+PRELOADED = (
+    "torch",
+    "torch.distributed",
+    "fsdp_compile",
+    "fsdp_compile.testing",
+    "torch._inductor.compile_fx",
+    "torch._functorch.partitioners",
+    "networkx",
+    "transformers",
+)
+
+
+def fastest_start_method() -> str:
+    """``forkserver`` where the platform has one (Linux, macOS), else ``spawn``."""
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
 def _signal_name(number: int) -> str:
@@ -42,8 +70,19 @@ def _free_port() -> int:
 
 
 def _worker_main(
-    rank: int, world_size: int, port: int, backend: str, conn: Connection, pg_timeout_s: float, stack_file: str
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    conn: Connection,
+    pg_timeout_s: float,
+    stack_file: str,
+    environ: dict[str, str],
 ) -> None:
+    # A forked rank inherits the forkserver's environment, from when it started: take
+    # the parent's, as a spawned rank would.
+    os.environ.clear()
+    os.environ.update(environ)
     # On SIGUSR1 (sent by the parent to a rank that hangs), and on a fatal signal (a
     # native crash: SIGSEGV, or SIGABRT from a heap check), every thread's Python
     # stack goes to ``stack_file``, which the parent puts in its report.
@@ -60,13 +99,14 @@ def _worker_main(
     import torch
     import torch.distributed as dist
 
-    from fsdp_compile._compat import compile_in_this_process, reset_dynamo
+    from fsdp_compile._compat import compile_in_this_process, reset_dynamo, skip_side_effect_messages
 
     torch.set_num_threads(1)
     # By default each rank would compile in a pool of subprocesses of its own; with
     # several ranks on one machine those pools held much of the memory (on a 24 GiB
     # machine a rank died mid-collective). The ranks already run in parallel.
     compile_in_this_process()
+    skip_side_effect_messages()
     from fsdp_compile.testing._backends import register_test_backends
 
     register_test_backends()
@@ -108,6 +148,7 @@ class RankPool:
         timeout_s: float = 300.0,
         pg_timeout_s: float = 120.0,
         failure_grace_s: float = 10.0,
+        start_method: str = "spawn",
     ):
         self.world_size = world_size
         self.backend = backend
@@ -116,6 +157,9 @@ class RankPool:
         #: Once a rank failed, how long its peers may still answer (with their own error)
         #: before those that did not are reported as hung and the pool is stopped.
         self.failure_grace_s = failure_grace_s
+        #: ``multiprocessing`` start method of the ranks: ``spawn`` or ``forkserver``
+        #: (see the module docstring).
+        self.start_method = start_method
         self._procs: list = []
         self._conns: list[Connection] = []
         self._stack_files: list[str] = []
@@ -124,7 +168,9 @@ class RankPool:
     def start(self) -> None:
         if self._procs:
             return
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(list(PRELOADED))  # for the server's first start
         port = _free_port()
         stacks = tempfile.mkdtemp(prefix="fsdpc-rank-stacks-")
         self._stack_files = [os.path.join(stacks, f"rank{rank}.txt") for rank in range(self.world_size)]
@@ -132,7 +178,16 @@ class RankPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, self.backend, child, self.pg_timeout_s, self._stack_files[rank]),
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    self.backend,
+                    child,
+                    self.pg_timeout_s,
+                    self._stack_files[rank],
+                    dict(os.environ),
+                ),
                 daemon=True,
             )
             proc.start()

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_compile.testing._rank_pool import RankPool
+from fsdp_compile.testing._rank_pool import RankPool, fastest_start_method
 
 
 def pytest_configure(config) -> None:
     """``torch.compile(..., backend="inductor_passes")`` in the test process too (see
-    ``fsdp_compile.testing._backends``)."""
+    ``fsdp_compile.testing._backends``), and Dynamo's side-effect messages off there, as
+    in every rank (``_compat.skip_side_effect_messages``)."""
+    from fsdp_compile._compat import skip_side_effect_messages
     from fsdp_compile.testing._backends import register_test_backends
 
     register_test_backends()
+    skip_side_effect_messages()
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +36,8 @@ def rank_pools():
 
     The 2-rank pool stays up; asking for another size stops the other larger pools
     (their processes, not the objects: a stopped pool starts again on its next
-    ``run``), so at most 2 + N ranks hold memory at once."""
+    ``run``), so at most 2 + N ranks hold memory at once. Ranks are forked from a
+    server that has imported torch and fsdp_compile (``RankPool``'s ``forkserver``)."""
     pools: dict[tuple[int, str], RankPool] = {}
 
     def get(world_size: int = 2, backend: str = "gloo") -> RankPool:
@@ -42,7 +46,7 @@ def rank_pools():
             if other_key != key and other_key[0] > 2:
                 other.close()
         if key not in pools:
-            pools[key] = RankPool(world_size, backend=backend)
+            pools[key] = RankPool(world_size, backend=backend, start_method=fastest_start_method())
         pools[key].start()
         return pools[key]
 
