@@ -582,13 +582,13 @@ def register_fake_process_group() -> None:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
-def compile_kernels_in(workers: int) -> None:
-    """torch/_inductor/config.py ``compile_threads``: Inductor compiles kernels in a pool
-    of ``workers`` subprocesses (several hundred MB each), or in this process when
-    ``workers`` is 1, instead of a pool as large as the machine's core count."""
+def compile_in_this_process() -> None:
+    """torch/_inductor/config.py ``compile_threads``: Inductor compiles kernels in this
+    process instead of a pool of worker subprocesses (several hundred MB each, per
+    process that compiles)."""
     import torch._inductor.config as inductor_config
 
-    inductor_config.compile_threads = workers
+    inductor_config.compile_threads = 1
 
 
 def skip_side_effect_messages() -> None:
@@ -626,8 +626,7 @@ __all__ = [
     "alias_of_local_tensor",
     "mark_as_parameter_input",
     "c10d_functional",
-    "compile_kernels_in",
-    "skip_side_effect_messages",
+    "compile_in_this_process",
     "place_in_backward",
     "fx_annotate",
     "CheckpointPolicy",

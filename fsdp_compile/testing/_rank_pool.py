@@ -99,16 +99,13 @@ def _worker_main(
     import torch
     import torch.distributed as dist
 
-    from fsdp_compile._compat import compile_kernels_in, reset_dynamo, skip_side_effect_messages
+    from fsdp_compile._compat import compile_in_this_process, reset_dynamo, skip_side_effect_messages
 
     torch.set_num_threads(1)
-    # Every rank compiles the same kernels, and Inductor's per-kernel file lock makes a
-    # rank that finds one being compiled wait for it and load it: the ranks compile in
-    # lock-step, one core busy. Rank 0 compiles in a pool of 2 worker processes, so two
-    # kernels compile at once and the others load them; the other ranks compile in
-    # their own process (a pool per rank, Inductor's default, held much of the memory:
-    # on a 24 GiB machine a rank died mid-collective).
-    compile_kernels_in(2 if rank == 0 else 1)
+    # By default each rank would compile in a pool of subprocesses of its own; with
+    # several ranks on one machine those pools held much of the memory (on a 24 GiB
+    # machine a rank died mid-collective). The ranks already run in parallel.
+    compile_in_this_process()
     skip_side_effect_messages()
     from fsdp_compile.testing._backends import register_test_backends
 
