@@ -627,6 +627,7 @@ __all__ = [
     "mark_as_parameter_input",
     "c10d_functional",
     "compile_in_this_process",
+    "skip_side_effect_messages",
     "place_in_backward",
     "fx_annotate",
     "CheckpointPolicy",
