@@ -155,26 +155,24 @@ def throwaway_pool():
 
 
 def test_pool_reports_failing_rank_and_recovers(throwaway_pool):
-    pool2 = throwaway_pool
     # The hung rank's report carries its Python stack: where it waited.
     with pytest.raises(
         RankFailure,
         match=r"(?s)rank 0 ---\ndid not answer.*where it was:\n.*line \d+ in fail_on_rank.*rank 1 ---\n.*ZeroDivisionError",
     ):
-        pool2.run(fail_on_rank, 1, timeout_s=60)
-    assert pool2.run(rank_and_world) == [(0, 2), (1, 2)]
+        throwaway_pool.run(fail_on_rank, 1, timeout_s=60)
+    assert throwaway_pool.run(rank_and_world) == [(0, 2), (1, 2)]
 
 
 def test_pool_reports_a_native_crash_with_signal_and_stack(throwaway_pool):
     """A rank killed by a signal is reported as such, with the Python stack it died in
     (faulthandler): a heap corruption in CI otherwise said only "process died"."""
-    pool2 = throwaway_pool
     with pytest.raises(
         RankFailure,
         match=r"(?s)rank 1 ---\nprocess died \(killed by SIGABRT\); its Python stacks when it died:\n.*line \d+ in crash_on_rank",
     ):
-        pool2.run(crash_on_rank, 1, timeout_s=60)
-    assert pool2.run(rank_and_world) == [(0, 2), (1, 2)]
+        throwaway_pool.run(crash_on_rank, 1, timeout_s=60)
+    assert throwaway_pool.run(rank_and_world) == [(0, 2), (1, 2)]
 
 
 def test_offload_policy_of_wrong_type(fake_pg):

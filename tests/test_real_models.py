@@ -227,13 +227,12 @@ BACKEND = "inductor_passes"
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_real_model_trains_like_reference_without_extra_graphs(pool2, name):
-    backend = BACKEND
     report = assert_parity(
         BUILDERS[name],
         BATCHES.get(name, batch),
         token_loss,
         shard_fn=SHARDING.get(name, shard_per_block),
-        backends=("eager", backend),
+        backends=("eager", BACKEND),
         steps=3,
         rtol=1e-5,
         atol=1e-6,
@@ -242,8 +241,8 @@ def test_real_model_trains_like_reference_without_extra_graphs(pool2, name):
         pool=pool2,
     )
     print(name, report)
-    assert report.graphs[f"ours:{backend}"] <= report.graphs["unsharded"]
+    assert report.graphs[f"ours:{BACKEND}"] <= report.graphs["unsharded"]
     if MODELS[name].get("fullgraph"):
-        assert report.graphs[f"ours:{backend}"] == 1
+        assert report.graphs[f"ours:{BACKEND}"] == 1
     else:  # the model breaks the graph by itself
         assert report.graphs["unsharded"] > 1
