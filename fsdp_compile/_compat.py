@@ -514,6 +514,33 @@ def compile_fx_up_to_post_grad():
     return backend
 
 
+def aot_eager_with_passes(joint_pass, graph_pass):
+    """A ``torch.compile`` backend: Dynamo's ``aot_eager`` (AOTAutograd without
+    decompositions, the min-cut partitioner, the graphs run op by op) with
+    ``joint_pass(joint_gm, joint_inputs)`` run on the joint graph before the
+    partitioner and ``graph_pass(graph)`` on the forward and the backward graph after
+    it, where Inductor runs its joint and post-grad custom passes
+    (torch/_dynamo/backends/debugging.py ``aot_eager``; torch 2.13 internals)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, joint_inputs, **kwargs):
+        joint = joint_pass(joint, joint_inputs) or joint
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def compile_graph(gm, example_inputs):
+        graph_pass(gm.graph)
+        return boxed_nop(gm, example_inputs)
+
+    return aot_autograd(
+        fw_compiler=compile_graph,
+        bw_compiler=compile_graph,
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
+
+
 def control_deps_runs_eagerly() -> bool:
     """torch/_inductor/fx_passes/control_dependencies.py: whether ``control_deps`` (our
     pinning pass wraps nodes in it) has an eager kernel, so a pinned graph runs op by op
@@ -641,6 +668,7 @@ __all__ = [
     "strided_shard",
     "run_by_compiled_code",
     "is_strided_shard",
+    "aot_eager_with_passes",
     "compile_fx_up_to_post_grad",
     "register_dynamo_backend",
     "control_deps_runs_eagerly",

@@ -26,6 +26,8 @@ COMPILE_BACKENDS = {
     "ours-inductor": "inductor",
     # Inductor's graph pipeline with our passes, no code generation (fsdp_compile.testing._backends).
     "ours-inductor_passes": "inductor_passes",
+    # aot_eager with our joint and post-grad passes: bitwise eager (fsdp_compile.testing._backends).
+    "ours-aot_eager_passes": "aot_eager_passes",
     "fsdp2": None,
 }
 

@@ -24,6 +24,7 @@ nothing.
 from __future__ import annotations
 
 INDUCTOR_PASSES = "inductor_passes"
+AOT_EAGER_PASSES = "aot_eager_passes"
 
 
 def inductor_passes(gm, example_inputs):
@@ -38,8 +39,24 @@ def inductor_passes(gm, example_inputs):
         return compile_fx_up_to_post_grad()(gm, example_inputs)
 
 
+def aot_eager_passes(gm, example_inputs):
+    """A ``torch.compile`` backend: ``aot_eager`` (no decompositions, the graphs run op
+    by op) with our joint pass before the partitioner and our post-grad passes after
+    it. The graphs hold the ops eager runs, bucketed, reordered and re-gathered as under
+    Inductor, so the numbers must be bitwise eager's: one compile checks what
+    ``aot_eager`` and ``inductor_passes`` check apart, except our passes on Inductor's
+    decomposed graphs."""
+    from fsdp_compile._compat import aot_eager_with_passes
+    from fsdp_compile.passes.registration import fsdp_joint_pass, fsdp_post_grad_pass, install_passes
+
+    install_passes()  # (what fully_shard did; also after torch._dynamo.reset())
+    return aot_eager_with_passes(fsdp_joint_pass, fsdp_post_grad_pass)(gm, example_inputs)
+
+
 def register_test_backends() -> None:
-    """Idempotent: make ``torch.compile(..., backend="inductor_passes")`` resolve in this process."""
+    """Idempotent: make ``torch.compile(..., backend="inductor_passes")`` and
+    ``backend="aot_eager_passes"`` resolve in this process."""
     from fsdp_compile._compat import register_dynamo_backend
 
     register_dynamo_backend(INDUCTOR_PASSES, inductor_passes)
+    register_dynamo_backend(AOT_EAGER_PASSES, aot_eager_passes)
