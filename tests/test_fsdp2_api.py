@@ -344,14 +344,14 @@ def pool4(rank_pools):
     return rank_pools(4)
 
 
-@pytest.mark.parametrize("backend", [None, "inductor_passes"], ids=["eager", "inductor_passes"])
+@pytest.mark.parametrize("backend", [None, "aot_eager_passes"], ids=["eager", "aot_eager_passes"])
 def test_hsdp_accumulation_without_all_reduce_matches_fsdp2(pool4, backend):
     """``set_requires_all_reduce(False)`` on the first of two micro-batches: that backward
     reduce-scatters and all-reduces nothing; the last one all-reduces the sum of both;
     training matches FSDP2's with the same calls (and ``set_requires_gradient_sync``),
-    with one graph per mode, compiled once. (Compared within a tolerance, so aot_eager
-    would add nothing to ``inductor_passes``, which also runs our passes; HSDP under real
-    Inductor: ``test_layouts.py::test_gloo_all_to_all_on_4_ranks_matches_the_reference``.)"""
+    with one graph per mode, compiled once (``aot_eager_passes``: eager's ops through our
+    passes; compared within a tolerance, as a reduce-scatter over 4 ranks bucketed sums
+    in another order)."""
     expected = pool4.run(hsdp_accumulation, "fsdp2", None, "no_all_reduce")[0]
     for mode in ("no_all_reduce", "no_sync"):
         for rank, got in enumerate(pool4.run(hsdp_accumulation, "ours", backend, mode)):

@@ -144,10 +144,10 @@ def test_no_more_graphs_than_unsharded(pool2, name):
         batch,
         loss,
         shard_fn=shard,
-        backends=("eager", "aot_eager", "inductor_passes"),
+        backends=("eager", "aot_eager_passes"),
         check_graph_count=True,
         pool=pool2,
     )
-    assert report.graphs["ours:aot_eager"] == report.graphs["ours:inductor_passes"] <= report.graphs["unsharded"]
+    assert report.graphs["ours:aot_eager_passes"] <= report.graphs["unsharded"]
     if name == "checkpoint_around_blocks":
         assert report.graphs["unsharded"] == 1

@@ -18,7 +18,6 @@ from tests.test_parity import _assert_records_equal, _shard_model, train_all
 #: reordered and re-gathered, so bitwise eager on 2 ranks (a reduce-scatter sums two
 #: slices, in either order the same). On 4 ranks a bucketed reduce-scatter sums in
 #: another order than eager's, so plain ``aot_eager`` keeps the bitwise check there.
-#: HSDP under real Inductor: test_fsdp2_api.py.
 OURS = ["ours-eager", "ours-aot_eager_passes"]
 OURS_4 = ["ours-eager", "ours-aot_eager", "ours-aot_eager_passes"]
 

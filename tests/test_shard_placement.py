@@ -40,7 +40,7 @@ def placements(shard_fn_name: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "reference,backends", [("fsdp2", ("eager", "aot_eager")), ("single_process", ("eager", "aot_eager", "inductor_passes"))]
+    "reference,backends", [("fsdp2", ("eager", "aot_eager")), ("single_process", ("eager", "aot_eager_passes"))]
 )
 def test_dim_1_sharding_matches_fsdp2_and_reference(pool2, reference, backends):
     report = assert_parity(build_mlp, batch, mse, shard_fn=shard_on_dim_1, reference=reference, backends=backends, pool=pool2)

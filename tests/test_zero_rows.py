@@ -139,9 +139,10 @@ def ranks_by_shard_rows(world_size: int) -> list[int]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_row_shards_train_like_the_reference(rank_pools, world_size):
     """Eager and compiled through our post-grad passes (where the zero-row bug was) on 2
-    and 4 ranks, without Inductor's code generation (``inductor_passes``; under real
-    Inductor: ``test_zero_row_shards_match_fsdp2``); ``aot_eager`` on 2 ranks."""
-    compiled = ("aot_eager", "inductor_passes") if world_size == 2 else ("inductor_passes",)
+    and 4 ranks, without Inductor's code generation: on eager's ops (``aot_eager_passes``)
+    on 2 ranks, on Inductor's decomposed graphs (``inductor_passes``) on 4; under real
+    Inductor: ``test_zero_row_shards_match_fsdp2``."""
+    compiled = ("aot_eager_passes",) if world_size == 2 else ("inductor_passes",)
     report = assert_parity(
         build,
         batch,
