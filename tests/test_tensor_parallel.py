@@ -526,10 +526,10 @@ def test_uneven_tensor_parallel_shards_through_our_passes(pool4):
     ``ColwiseParallel`` rejects it): the two data-parallel groups gather different sizes,
     legitimately. The cross-rank check compares only ranks that share
     a group (it reported a mismatch between the groups, and the step never ran). Compiled
-    through our post-grad passes, where the check is inserted (``inductor_passes``; FSDP +
-    TP under real Inductor: ``test_fsdp_tp_sp_under_inductor_matches_reference``)."""
+    through our post-grad passes, where the check is inserted (``aot_eager_passes``; FSDP +
+    TP on Inductor's decomposed graphs: ``test_fsdp_tp_sp_through_inductors_passes_matches_reference``)."""
     pytest.importorskip("transformers")
     reference = pool4.run(train_hf_own_plan, "reference", "llama", STEPS, 101)[0]
-    ours_inductor = pool4.run(train_hf_own_plan, "ours:inductor_passes", "llama", STEPS, 101)[0]
-    assert ours_inductor["graphs"] == 1
-    assert _max_gap(ours_inductor, reference) < 1e-5
+    ours_compiled = pool4.run(train_hf_own_plan, "ours:aot_eager_passes", "llama", STEPS, 101)[0]
+    assert ours_compiled["graphs"] == 1
+    assert _max_gap(ours_compiled, reference) < 1e-5
