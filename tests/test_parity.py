@@ -307,6 +307,32 @@ def test_inductor_passes_backend_runs_our_passes_and_trains_as_inductor(pool2):
     _assert_records_equal(inductor, passes, exact=False, what="inductor_passes vs inductor")
 
 
+def train_through_aot_eager_passes(name: str, bucketing: bool) -> dict:
+    """``train`` compiled with ``"aot_eager_passes"`` (gloo's own collectives), counting the
+    graphs our post-grad passes ran on and the collectives they left."""
+    from fsdp_compile import config
+
+    with config.patch(bucketing=bucketing, gloo_all_to_all=False):
+        record, counts = _counting_collectives_after_our_passes(train_counting_post_grad_passes, name, "ours-aot_eager_passes")
+    record["collectives"] = counts
+    return record
+
+
+@needs_eager_control_deps
+def test_aot_eager_passes_backend_runs_our_passes_and_is_bitwise_eager(pool2):
+    """The suite's ``"aot_eager_passes"`` backend (feature tests use it where our front-end
+    and passes are their subject) runs our post-grad passes on the forward and the backward
+    graph, bucketing as under Inductor, and on 2 ranks trains bit for bit as eager, with
+    and without bucketing."""
+    eager = pool2.run(train, "llama", "ours-eager", STEPS)[0]
+    bucketed, per_parameter = (pool2.run(train_through_aot_eager_passes, "llama", b)[0] for b in (True, False))
+    for record in (bucketed, per_parameter):
+        assert record["post_grad_graphs"] == 2 and record["frames"] == 1
+        _assert_records_equal(record, eager, exact=True, what="aot_eager_passes vs eager")
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        assert 0 < bucketed["collectives"][op] < per_parameter["collectives"][op], (op, bucketed, per_parameter)
+
+
 def train_split(name: str, split_unit_min_mb: float | None) -> dict:
     """``train`` through our passes (``inductor_passes``) with ``config.split_unit_min_mb``,
     counting the collectives in the graphs after our passes (gloo's own: one node each)."""

@@ -1,4 +1,4 @@
-"""``torch.compile`` backends for tests: Inductor's graph pipeline without its code generation.
+"""``torch.compile`` backends for tests: our passes without Inductor's code generation.
 
 ``"inductor_passes"`` runs what Inductor runs up to its post-grad passes
 (decompositions, joint-graph passes, our reshard-after-forward tagging, the
@@ -15,6 +15,14 @@ the parity, real-model, schedule and tensor-parallel tests. On this suite's
 2-core machine a first Inductor compile of a small model spends most of its
 time compiling C++ (64 s cold against 9 s warm for one test), which is why
 feature tests whose subject is not code generation use this backend.
+
+``"aot_eager_passes"`` is Dynamo's ``aot_eager`` (no decompositions) with our joint
+pass before the min-cut partitioner and our post-grad passes after it: the graphs
+hold eager's own ops, bucketed, reordered, re-gathered and pinned as under Inductor,
+so a 2-rank run is bitwise equal to eager (over more ranks a bucketed reduce-scatter
+may sum in another order than eager's), at ``aot_eager``'s compile cost. Tests whose
+subject is our front-end and passes compile once with it instead of twice (``aot_eager``
+for the bitwise check, ``inductor_passes`` for the passes).
 
 Registered by name only in test processes (the pytest plugin and every rank of
 a :class:`~fsdp_compile.testing.RankPool`): importing ``fsdp_compile`` registers
