@@ -51,13 +51,16 @@ def aot_eager_passes(gm, example_inputs):
     """A ``torch.compile`` backend: ``aot_eager`` (no decompositions, the graphs run op
     by op) with our joint pass before the partitioner and our post-grad passes after
     it. The graphs hold the ops eager runs, bucketed, reordered and re-gathered as under
-    Inductor, so the numbers must be bitwise eager's: one compile checks what
+    Inductor, so on 2 ranks the numbers must be bitwise eager's: one compile checks what
     ``aot_eager`` and ``inductor_passes`` check apart, except our passes on Inductor's
-    decomposed graphs."""
+    decomposed graphs. (A graph without a backward, under ``no_grad``, gets the
+    post-grad passes only, as under Inductor: the joint pass tags what a backward re-gathers.)"""
     from fsdp_compile._compat import aot_eager_with_passes
     from fsdp_compile.passes.registration import fsdp_joint_pass, fsdp_post_grad_pass, install_passes
 
-    install_passes()  # (what fully_shard did; also after torch._dynamo.reset())
+    # As fully_shard does: the watch on frame compiles that attributes graph breaks (our
+    # passes warn of them), which torch._dynamo.reset() drops, and FSDP_COMPILE_DUMP.
+    install_passes()
     return aot_eager_with_passes(fsdp_joint_pass, fsdp_post_grad_pass)(gm, example_inputs)
 
 
