@@ -609,13 +609,32 @@ def register_fake_process_group() -> None:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
-def compile_in_this_process() -> None:
+def compile_in_this_process(threads: int = 1) -> None:
     """torch/_inductor/config.py ``compile_threads``: Inductor compiles kernels in this
-    process instead of a pool of worker subprocesses (several hundred MB each, per
-    process that compiles)."""
+    process, on ``threads`` threads, instead of in a pool of worker subprocesses
+    (several hundred MB each, per process that compiles).
+
+    On more than one thread each C++ kernel's compiler runs from a thread of a
+    ``ThreadPoolExecutor`` (async_compile.py ``AsyncCompile.pool``; the pool of worker
+    subprocesses is Triton's only). Ranks of one machine compile the same kernels and
+    each kernel's build holds a file lock: on one thread a rank waits for the lock of
+    the kernel another rank is building, so they build one kernel at a time between
+    them, in lock-step; on two they build two. The worker-subprocess pool stays off:
+    ``TORCH_WARM_POOL=0`` stops Dynamo's Inductor backend from starting it, and
+    ``worker_start_method="fork"`` makes a daemonic process (a ``RankPool`` rank) refuse
+    it (``_process_pool_allowed``). A torch without that check compiles on one thread.
+    """
+    import os
+
+    import torch._inductor.async_compile as async_compile
     import torch._inductor.config as inductor_config
 
-    inductor_config.compile_threads = 1
+    if threads > 1 and hasattr(async_compile, "_process_pool_allowed"):
+        os.environ["TORCH_WARM_POOL"] = "0"
+        inductor_config.worker_start_method = "fork"
+        inductor_config.compile_threads = threads
+    else:
+        inductor_config.compile_threads = 1
 
 
 def skip_side_effect_messages() -> None:
