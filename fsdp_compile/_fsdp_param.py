@@ -356,6 +356,7 @@ class FSDPParam:
         with torch.enable_grad():  # its autograd edge to the sharded parameter is the point
             self.local_view = alias_of_local_tensor(self.sharded_param, self._follow_requires_grad)
         mark_as_parameter_input(self.local_view)
+        self.unit.note_on_meta(self, self.local_view.is_meta)
 
     def _local_shard(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local tensor the gather reads. Traced: :attr:`local_view` (see [Note: plain

@@ -159,6 +159,11 @@ class FSDPUnit:
     # What eager steps keep between calls (``fsdp_compile._eager.EagerState``), one per root,
     # shared by every unit under it; set by fully_shard.
     eager: object = field(default=None, repr=False)
+    # The parameters whose local shard is on the meta device (``fully_shard`` of a model
+    # built on ``meta``, not materialized yet): a forward refuses to run, naming them,
+    # before it issues any collective. Kept by ``FSDPParam.refresh_local_view``, which
+    # runs whenever a local shard is replaced (``to_empty``, ``.to(...)``).
+    params_on_meta: tuple = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.module_fqns:
@@ -172,6 +177,11 @@ class FSDPUnit:
     @property
     def fqn(self) -> str:
         return self.module_fqns[0]
+
+    def note_on_meta(self, fsdp_param, on_meta: bool) -> None:
+        """Record whether ``fsdp_param``'s local shard is on the meta device."""
+        others = tuple(p for p in self.params_on_meta if p is not fsdp_param)
+        self.params_on_meta = (*others, fsdp_param) if on_meta else others
 
     def set_module_fqn(self, module: nn.Module, fqn: str) -> None:
         index = next(i for i, m in enumerate(self.modules) if m is module)

@@ -60,6 +60,16 @@ from fsdp_compile.passes.registration import install_passes
 from fsdp_compile.runtime.process_groups import DataParallelMesh
 
 
+@torch.compiler.disable  # raised in eager code: Dynamo does not trace it
+def _refuse_parameters_on_meta(unit: FSDPUnit) -> None:
+    names = ", ".join(repr(p.fqn) for p in unit.params_on_meta)
+    raise RuntimeError(
+        f"fully_shard: {type(unit.modules[0]).__name__} {unit.fqn or '(the root)'!r} has parameters on the meta device: {names}. "
+        "Materialize them before the first forward, as with FSDP2: model.to_empty(device=...), then initialize "
+        "them (reset_parameters() on each module, or load a checkpoint)."
+    )
+
+
 class FSDPModule(FSDP2TuningMethods):
     """Mixin of every module passed to :func:`fully_shard` (class ``FSDP<Orig>``).
 
@@ -73,6 +83,8 @@ class FSDPModule(FSDP2TuningMethods):
         # The outermost unit called from a compiled call's eager code (the frame
         # torch.compile was given, or Dynamo gave up on the frame above it) runs the
         # compiled path, which Dynamo then compiles as a frame of its own.
+        if self._fsdp_unit.params_on_meta:
+            _refuse_parameters_on_meta(self._fsdp_unit)
         mode = execution_mode()
         if mode is ExecutionMode.TRACED or (mode is ExecutionMode.BETWEEN_GRAPHS and forward_context.depth == 0):
             return self._forward_compiled(*args, **kwargs)

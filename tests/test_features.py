@@ -44,6 +44,13 @@ def meta_init_matches_eager_init(name: str = "llama", steps: int = 3) -> dict:
     with torch.device("meta"):
         model, units = build(name)
     _shard(units)
+    # A forward before materializing is refused, eager and compiled, naming the parameters.
+    refusals = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        try:
+            run(_local(batch(name, 0)[0]))
+        except RuntimeError as e:
+            refusals.append(str(e))
     model.to_empty(device="cpu")
     model.rope_cos.copy_(reference.rope_cos)  # non-persistent buffers are not in a state dict
     model.rope_sin.copy_(reference.rope_sin)
@@ -56,6 +63,7 @@ def meta_init_matches_eager_init(name: str = "llama", steps: int = 3) -> dict:
         run = torch.compile(m, backend="aot_eager")
         losses = [_step(m, run, opt, name, s)[0] for s in range(steps)]
         out[label] = (losses, _full_params(m))
+    out["refusals"] = refusals
     return out
 
 
@@ -370,6 +378,9 @@ def _equal(a: dict, b: dict, **tol) -> None:
 
 def test_meta_device_init_matches_eager_init(pool2):
     for result in pool2.run(meta_init_matches_eager_init):
+        assert len(result["refusals"]) == 2  # eager, then compiled
+        for message in result["refusals"]:
+            assert "on the meta device" in message and "'tok_embeddings.weight'" in message and "to_empty" in message
         meta_losses, meta_params = result["meta"]
         eager_losses, eager_params = result["eager"]
         assert meta_losses == eager_losses
