@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compile._compat import flat_group_of
@@ -169,6 +170,12 @@ def _collect_owned_params(
         stack = [("", root)]
         while stack:
             prefix, mod = stack.pop()
+            if isinstance(mod, TorchFSDPModule):
+                raise ValueError(
+                    f"fully_shard({_unit_name(modules)}): {type(mod).__name__} {prefix.rstrip('.') or '(this module)'!r} "
+                    "is sharded by torch's own fully_shard (torch.distributed.fsdp); the two cannot be mixed in one "
+                    "model. Shard every unit with fsdp_compile.fully_shard (the same arguments)."
+                )
             if mod is not root and _is_sharded_module(mod):
                 continue  # a nested unit owns this subtree
             for name, param in mod._parameters.items():

@@ -67,6 +67,17 @@ def test_parent_before_child(fake_pg):
         fully_shard(model.layers[0])
 
 
+def test_torchs_fully_shard_inside_is_refused(fake_pg):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    model = MLPStack(dim=8, n_layers=2)
+    torch_fully_shard(model.layers[1])
+    with pytest.raises(ValueError, match=r"fully_shard\(MLPStack\): FSDPLinear 'layers.1' is sharded by torch's own fully_shard"):
+        fully_shard(model)
+    with pytest.raises(ValueError, match=r"FSDPLinear '\(this module\)' is sharded by torch's own fully_shard.*cannot be mixed"):
+        fully_shard(model.layers[1])
+
+
 def test_two_dimensional_mesh_needs_dim_names(fake_pg):
     mesh = init_device_mesh("cpu", (2, 4))
     with pytest.raises(ValueError, match="2-D mesh without mesh_dim_names.*HSDP"):
