@@ -41,7 +41,22 @@ def token_loss(output, target):
     return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
 
+def inductor_compile_setup() -> tuple:
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.compile_threads, async_compile._process_pool_allowed()
+
+
 # ---------------------------------------------------------------- tests
+
+def test_ranks_build_kernels_on_two_threads_without_worker_subprocesses(pool2):
+    """A rank builds Inductor's C++ kernels on two threads of its own process (the ranks of
+    one machine build the same kernels, each behind a file lock: on one thread each they
+    would build one at a time between them), and never starts Inductor's pool of compile
+    worker subprocesses (several hundred MB each)."""
+    assert pool2.run(inductor_compile_setup) == [(2, False), (2, False)]
+
 
 def test_parity_against_reference_and_fsdp2(pool2):
     for reference in ("single_process", "fsdp2"):
