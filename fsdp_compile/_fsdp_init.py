@@ -45,7 +45,11 @@ def _as_module_list(module) -> list[nn.Module]:
     return modules
 
 
-def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy):
+def _reject_unsupported_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy):
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f'mesh must be a DeviceMesh (e.g. init_device_mesh("cuda", (world_size,))) or None, got {type(mesh).__name__}'
+        )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise TypeError(
             f"reshard_after_forward={reshard_after_forward!r}: use True (free after forward, gather again "
@@ -56,6 +60,10 @@ def _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_po
         raise TypeError(f"shard_placement_fn must be a callable (parameter -> Shard | None), got {shard_placement_fn!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"mp_policy.{name}={dtype!r}: use a floating-point dtype (e.g. torch.bfloat16) or None")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}")
 

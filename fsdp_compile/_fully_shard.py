@@ -414,7 +414,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     # again at every call: torch._dynamo.reset() forgets part of it (see install_passes).
     install_passes()
     modules = _as_module_list(module)
-    _reject_unsupported_options(reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
+    _reject_unsupported_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     for m in modules:
         if isinstance(m, FSDPModule):
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")

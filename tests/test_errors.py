@@ -189,3 +189,16 @@ def test_pool_reports_a_native_crash_with_signal_and_stack(throwaway_pool):
 def test_offload_policy_of_wrong_type(fake_pg):
     with pytest.raises(TypeError, match="offload_policy must be an OffloadPolicy"):
         fully_shard(nn.Linear(4, 4), offload_policy="cpu")
+
+
+def test_mesh_of_wrong_type(fake_pg):
+    with pytest.raises(TypeError, match="mesh must be a DeviceMesh.*got str"):
+        fully_shard(nn.Linear(4, 4), mesh="cpu")
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "output_dtype"])
+def test_mixed_precision_dtype_must_be_floating_point(fake_pg, field):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with pytest.raises(ValueError, match=rf"mp_policy.{field}=torch.int32: use a floating-point dtype"):
+        fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(**{field: torch.int32}))
