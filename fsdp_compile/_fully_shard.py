@@ -80,11 +80,11 @@ class FSDPModule(FSDP2TuningMethods):
 
     @never_a_frame_of_its_own
     def forward(self, *args, **kwargs):
+        if self._fsdp_unit.params_on_meta:
+            _refuse_parameters_on_meta(self._fsdp_unit)
         # The outermost unit called from a compiled call's eager code (the frame
         # torch.compile was given, or Dynamo gave up on the frame above it) runs the
         # compiled path, which Dynamo then compiles as a frame of its own.
-        if self._fsdp_unit.params_on_meta:
-            _refuse_parameters_on_meta(self._fsdp_unit)
         mode = execution_mode()
         if mode is ExecutionMode.TRACED or (mode is ExecutionMode.BETWEEN_GRAPHS and forward_context.depth == 0):
             return self._forward_compiled(*args, **kwargs)
