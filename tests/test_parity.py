@@ -139,27 +139,29 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
     return record
 
 
-def _counting_collectives_after_our_passes(fn, *args) -> tuple:
+def _counting_collectives_after_our_passes(fn, *args, before: str = "pin_schedule") -> tuple:
     """``fn(*args)``, and how many nodes of each collective op (by name) the graphs hold
-    after our post-grad passes, counted just before their last one (pinning wraps the
-    collectives in ``control_deps``)."""
+    after our post-grad passes, counted just before the pass ``before`` of
+    ``passes/registration.py``: by default their last one (pinning wraps the collectives
+    in ``control_deps``); ``"lower_to_all_to_all"``: before the gloo transport rewrites
+    the all-gathers and reduce-scatters as all-to-alls."""
     from fsdp_compile.passes import registration
 
     counts: dict[str, int] = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_to_all_single": 0}
-    pin_schedule = registration.pin_schedule
+    counted_pass = getattr(registration, before)
 
-    def counting_pin_schedule(graph, *pin_args, **pin_kwargs):
+    def counting_pass(graph, *pass_args, **pass_kwargs):
         for node in graph.nodes:
             op = getattr(node.target, "__name__", "").split(".")[0]
             if node.op == "call_function" and op in counts:
                 counts[op] += 1
-        return pin_schedule(graph, *pin_args, **pin_kwargs)
+        return counted_pass(graph, *pass_args, **pass_kwargs)
 
-    registration.pin_schedule = counting_pin_schedule
+    setattr(registration, before, counting_pass)
     try:
         return fn(*args), counts
     finally:
-        registration.pin_schedule = pin_schedule
+        setattr(registration, before, counted_pass)
 
 
 def train_all(
@@ -308,12 +310,15 @@ def test_inductor_passes_backend_runs_our_passes_and_trains_as_inductor(pool2):
 
 
 def train_through_aot_eager_passes(name: str, bucketing: bool) -> dict:
-    """``train`` compiled with ``"aot_eager_passes"`` (gloo's own collectives), counting the
-    graphs our post-grad passes ran on and the collectives they left."""
+    """``train`` compiled with ``"aot_eager_passes"``, counting the graphs our post-grad
+    passes ran on and the all-gathers and reduce-scatters they left (before the gloo
+    transport sends them as all-to-alls; see :func:`train_split`)."""
     from fsdp_compile import config
 
-    with config.patch(bucketing=bucketing, gloo_all_to_all=False):
-        record, counts = _counting_collectives_after_our_passes(train_counting_post_grad_passes, name, "ours-aot_eager_passes")
+    with config.patch(bucketing=bucketing):
+        record, counts = _counting_collectives_after_our_passes(
+            train_counting_post_grad_passes, name, "ours-aot_eager_passes", before="lower_to_all_to_all"
+        )
     record["collectives"] = counts
     return record
 
@@ -335,12 +340,16 @@ def test_aot_eager_passes_backend_runs_our_passes_and_is_bitwise_eager(pool2):
 
 def train_split(name: str, split_unit_min_mb: float | None) -> dict:
     """``train`` through our passes on eager's ops (``aot_eager_passes``) with
-    ``config.split_unit_min_mb``, counting the collectives in the graphs after our passes
-    (gloo's own: one node each)."""
+    ``config.split_unit_min_mb``, counting the all-gathers and reduce-scatters in the
+    graphs after our passes, before the gloo transport sends them as all-to-alls. (Not
+    with gloo's own collectives: run eagerly, two of gloo's coalesced all-gathers in
+    flight corrupt a rank's heap; see [Note: gloo all-gathers].)"""
     from fsdp_compile import config
 
-    with config.patch(split_unit_min_mb=split_unit_min_mb, gloo_all_to_all=False):
-        record, counts = _counting_collectives_after_our_passes(train, name, "ours-aot_eager_passes", STEPS)
+    with config.patch(split_unit_min_mb=split_unit_min_mb):
+        record, counts = _counting_collectives_after_our_passes(
+            train, name, "ours-aot_eager_passes", STEPS, before="lower_to_all_to_all"
+        )
     record["collectives"] = counts
     return record
 
