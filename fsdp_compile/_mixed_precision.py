@@ -31,7 +31,10 @@ def param_dtype_for(policy: MixedPrecisionPolicy, param: torch.Tensor) -> torch.
     unless the policy's ``param_dtype_override_fn`` (torch 2.15) returns the parameter's own
     dtype for it (e.g. to keep a norm or a router in fp32 under bf16). As FSDP2, the
     function may return only ``None``, ``param_dtype`` or the parameter's dtype, and must
-    answer alike on every rank."""
+    answer alike on every rank. A parameter that is not floating-point (an integer
+    lookup table) keeps its dtype (``None``), as in FSDP2."""
+    if not param.is_floating_point():
+        return None
     override_fn = getattr(policy, "param_dtype_override_fn", None)
     if override_fn is None:
         return policy.param_dtype

@@ -274,3 +274,50 @@ def test_gloo_all_to_all_on_4_ranks_matches_the_reference(pool4, layout):
     _assert_records_equal(result["ours-aot_eager_passes-a2a"], result["reference"], exact=False, what="all-to-all vs reference")
     collectives = result["ours-aot_eager_passes-a2a"]["collectives"]
     assert collectives["all_gather_into_tensor"] == collectives["reduce_scatter_tensor"] == 0 < collectives["all_to_all_single"]
+
+
+# ------------------------------------------------- parameters of non-contiguous layout
+
+
+class NonContiguousParams(torch.nn.Module):
+    """Convolutions in channels-last memory format and a linear weight stored transposed:
+    parameters whose strides are not contiguous (FSDP2 refuses them: "FSDP does not
+    support non-contiguous parameters yet")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, padding=1))
+        self.convs.to(memory_format=torch.channels_last)
+        self.head_t = torch.nn.Parameter(torch.randn(5, 4).t())  # (4, 5), strides (1, 4)
+
+    def forward(self, x):
+        return self.convs(x).mean((2, 3)) @ self.head_t
+
+
+def _images(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 5, generator=g)
+
+
+def _shard_convs_and_root(model, fully_shard) -> None:
+    fully_shard(model.convs)
+    fully_shard(model)
+
+
+def _mse(out, target):
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def test_non_contiguous_parameters_train_like_the_reference(pool2):
+    """Each shard is cut from the contiguous tensor the parameter equals; eager and
+    compiled (``aot_eager_passes``) match the unsharded model in one graph."""
+    from fsdp_compile.testing import assert_parity
+
+    model = NonContiguousParams()
+    assert not model.head_t.is_contiguous() and not model.convs[0].weight.is_contiguous()
+    report = assert_parity(
+        NonContiguousParams, _images, _mse, shard_fn=_shard_convs_and_root, backends=("eager", "aot_eager_passes"),
+        check_graph_count=True, pool=pool2,
+    )
+    assert report.graphs["ours:aot_eager_passes"] == 1

@@ -115,3 +115,59 @@ def test_param_dtype_override_fn_keeps_chosen_parameters_in_their_dtype(pool2):
     assert set(routers.values()) == {"torch.float32"}
     assert set(d["dtypes"].values()) == {"torch.bfloat16"}, d["dtypes"]
     assert "param_dtype_override_fn returned torch.float16" in d["bad"] and "shape (5, 5)" in d["bad"]
+
+
+class _WithIndexTable(torch.nn.Module):
+    """A linear layer reading its input through an integer parameter (a frozen index
+    table, as quantized and sparse models keep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+        self.table = torch.nn.Parameter(torch.tensor([7, 0, 6, 1, 5, 2, 4, 3]), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x[:, self.table])
+
+
+def train_with_index_table(kind: str, steps: int = 3) -> dict:
+    """``_WithIndexTable`` under a bf16 policy, ``kind``: FSDP2 (eager), ours eager or ours
+    compiled (``aot_eager``): losses, full parameters, and each parameter's gathered dtype."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_compile._fully_shard import managed_params
+    from fsdp_compile.testing import full_parameters
+    from tests.models import fully_shard_of
+
+    model = _WithIndexTable()
+    fully_shard_of("fsdp2" if kind == "fsdp2" else "ours")(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    run = torch.compile(model, backend="aot_eager") if kind == "ours-aot_eager" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, params = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 8, generator=g).chunk(dist.get_world_size())[dist.get_rank()]
+        loss = run(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        params.append(full_parameters(model))
+    gathered = {} if kind == "fsdp2" else {p.fqn: str(p.spec.param_dtype) for p in managed_params(model)}
+    return {"losses": losses, "params": params, "gathered": gathered}
+
+
+def test_integer_parameter_keeps_its_dtype_under_a_bf16_policy(pool2):
+    """As in FSDP2, ``param_dtype`` applies to floating-point parameters only: an integer
+    parameter is gathered as it is (it was cast to bf16 and failed as an index), and
+    the model trains bitwise like FSDP2's, eager and compiled."""
+    fsdp2 = pool2.run(train_with_index_table, "fsdp2")[0]
+    for kind in ("ours-eager", "ours-aot_eager"):
+        ours = pool2.run(train_with_index_table, kind)[0]
+        assert ours["gathered"] == {"lin.weight": "torch.bfloat16", "lin.bias": "torch.bfloat16", "table": "None"}
+        assert ours["losses"] == fsdp2["losses"], kind
+        for mine, theirs in zip(ours["params"], fsdp2["params"], strict=True):
+            for name in theirs:
+                torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=0, msg=f"{kind}: {name}")

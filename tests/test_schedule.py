@@ -240,7 +240,7 @@ def test_gloo_all_to_all_keeps_the_schedule_and_the_bytes(pool2):
 
 def llama_step_code() -> list[str]:
     """On every rank: Inductor's forward and backward code for a ``transformers`` Llama
-    (four decoder layers; the embedding, final norm and untied head in the root) sharded
+    (two decoder layers; the embedding, final norm and untied head in the root) sharded
     per layer, its loss (from ``labels``) in the compiled graph."""
     from torch._inductor.utils import run_and_get_code
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -251,7 +251,7 @@ def llama_step_code() -> list[str]:
         vocab_size=256,
         hidden_size=256,
         intermediate_size=704,
-        num_hidden_layers=4,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=32,
