@@ -147,10 +147,12 @@ def gradient_accumulation(
     (``set_reshard_after_backward``). Records the all-gathers each micro-batch of the
     last step issues; with ``keep_gathered``, whose test reads them, compiled with
     gloo's own collectives rather than the all-to-all transport, so that the profile
-    tells all-gathers from reduce-scatters."""
+    tells all-gathers from reduce-scatters, and without prefetch: one all-gather in
+    flight at a time (two of gloo's coalesced all-gathers in flight can corrupt the heap:
+    README, Limitations)."""
     from fsdp_compile import config
 
-    with config.patch(gloo_all_to_all=False) if keep_gathered else contextlib.nullcontext():
+    with config.patch(gloo_all_to_all=False, prefetch_depth=0) if keep_gathered else contextlib.nullcontext():
         return _gradient_accumulation(kind, backend, name, micro_batches, steps, keep_gathered)
 
 

@@ -130,10 +130,12 @@ def hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) ->
     ``set_requires_gradient_sync(True)`` (as ``transformers``' Trainer does). Returns the
     parameters after each step, the functional collectives each micro-batch ran (compiled
     with gloo's own collectives, not the all-to-all transport, so that the profile names
-    reduce-scatters), and the graphs compiled after the first and the last step."""
+    reduce-scatters, and without prefetch, so that one of gloo's coalesced all-gathers is
+    in flight at a time: README, Limitations), and the graphs compiled after the first
+    and the last step."""
     from fsdp_compile import config
 
-    with config.patch(gloo_all_to_all=False):
+    with config.patch(gloo_all_to_all=False, prefetch_depth=0):
         return _hsdp_accumulation(kind, backend, first_micro_batch)
 
 
