@@ -1,7 +1,8 @@
 """Scale by simulation: Llama-3-8B / 70B shaped FSDP steps at 8, 64 and 512 ranks (modelled).
 
     python -m benchmarks.scale [--quick] [--extrapolate] [--models llama3-8b llama3-70b]
-                               [--world-sizes 8 64 512] [--layers K]
+                               [--world-sizes 8 64 512] [--layers K] [--wrap W]
+                               [--prefetch-depth D] [--reduce-scatter-depth D]
 
 Nothing here runs a real step: the models are far too big for a CPU machine.
 Each configuration is *traced* at full width with no memory behind it:
@@ -117,6 +118,9 @@ WRAPS = {
     "layers": "one unit per decoder layer plus the root (every decoder layer resharded after forward)",
     "torchtitan": "torchtitan's units: the token embedding, each decoder layer (the last one kept after "
     "forward: the backward needs it first), norm + output (kept), and the root",
+    "embedding-ignored": "WHAT-IF, not a training setup: as 'layers', with the token embedding left out of FSDP "
+    "(ignored_params: no gather, no reduction, its gradient never synchronised), to bound what any change "
+    "to the embedding's communication could gain",
 }
 
 
@@ -130,7 +134,8 @@ def _wrap(model, wrap: str, **kwargs) -> None:
         fully_shard(layer, **kwargs, **({"reshard_after_forward": False} if wrap == "torchtitan" and i == last else {}))
     if wrap == "torchtitan":
         fully_shard([model.norm, model.output], reshard_after_forward=False, **kwargs)
-    fully_shard(model, **kwargs)
+    ignored = {model.tok_embeddings.weight} if wrap == "embedding-ignored" else None
+    fully_shard(model, ignored_params=ignored, **kwargs)
 
 
 def _sharded_model(cfg, fake_mode, wrap: str = "layers"):
@@ -158,7 +163,7 @@ def parameter_counts(cfg, world_size: int, wrap: str = "layers") -> tuple[int, i
     like ``torch.chunk``, rank 0 holding the largest piece (``ceil(dim0 / N)`` rows).
     Not re-gathered: the units kept after forward (the root; with ``torchtitan``, also
     the last layer and norm + output) and the token embedding (its backward does not
-    read the weight)."""
+    read the weight). With ``embedding-ignored`` every rank holds the whole embedding."""
     import torch
 
     from fsdp_compile.testing.models import Llama
@@ -170,6 +175,9 @@ def parameter_counts(cfg, world_size: int, wrap: str = "layers") -> tuple[int, i
     if wrap == "torchtitan":
         kept += sum(p.numel() for p in model.layers[-1].parameters())
     local = sum(-(-p.shape[0] // world_size) * (p[0].numel() if p.dim() > 1 else 1) for p in model.parameters())
+    if wrap == "embedding-ignored":
+        embedding = model.tok_embeddings.weight
+        local += embedding.numel() - -(-embedding.shape[0] // world_size) * embedding[0].numel()
     return total, kept, local
 
 
@@ -442,7 +450,10 @@ def run_config(
     and extrapolated to full depth."""
     depth = layers or cfg.n_layers
     counts = parameter_counts(replace(cfg, n_layers=depth), world_size, wrap)
-    units = "; units: " + ("torchtitan's" if wrap == "torchtitan" else "decoder layers + root")
+    units = "; units: " + {
+        "torchtitan": "torchtitan's",
+        "embedding-ignored": "decoder layers + root, WHAT-IF: token embedding not sharded",
+    }.get(wrap, "decoder layers + root")
     if not extrapolate or depth <= MAX_TRACED_DEPTH:
         m = measure(trace_step(replace(cfg, n_layers=depth), world_size, wrap))
         how = f"traced, {depth} layers" + (f" (of {cfg.n_layers})" if depth < cfg.n_layers else "") + units
@@ -666,17 +677,25 @@ def main(argv=None) -> None:
         default="layers",
         help="the units: " + "; ".join(f"{k}: {v}" for k, v in WRAPS.items()),
     )
+    p.add_argument("--prefetch-depth", type=int, default=None, help="config.prefetch_depth for our passes (default: the config's)")
+    p.add_argument(
+        "--reduce-scatter-depth", type=int, default=None, help="config.reduce_scatter_depth for our passes (default: the config's)"
+    )
     args = p.parse_args(argv)
     one_thread_per_rank()
     start = time.perf_counter()
-    out = tables(
-        args.quick,
-        models=args.models,
-        world_sizes=args.world_sizes,
-        extrapolate=args.extrapolate,
-        layers=args.layers,
-        wrap=args.wrap,
-    )
+    from fsdp_compile import config
+
+    depths = {"prefetch_depth": args.prefetch_depth, "reduce_scatter_depth": args.reduce_scatter_depth}
+    with config.patch(**{k: v for k, v in depths.items() if v is not None}):
+        out = tables(
+            args.quick,
+            models=args.models,
+            world_sizes=args.world_sizes,
+            extrapolate=args.extrapolate,
+            layers=args.layers,
+            wrap=args.wrap,
+        )
     print(f"\n{HEADER}\n")
     for table in out:
         print(table, end="\n\n")
