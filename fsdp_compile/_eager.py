@@ -273,8 +273,9 @@ def prefetch_fits(running: FSDPUnit, upcoming: FSDPUnit) -> bool:
 
 
 def _gathered_bytes(unit: FSDPUnit) -> int:
+    # (A layout counts a complex parameter's real view: see [Note: complex parameters].)
     return sum(
-        p.layout.padded_numel * p.layout.world_size * (p.spec.param_dtype or p.sharded_param.dtype).itemsize
+        p.layout.padded_numel * p.layout.world_size * (p.spec.param_dtype or p.sharded_param.dtype.to_real()).itemsize
         for p in unit.params
         if p.layout is not None
     )

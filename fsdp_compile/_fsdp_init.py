@@ -228,17 +228,15 @@ def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: lis
 
 
 def _check_param_types(owned, shard_dims: list[int], unit: FSDPUnit) -> None:
-    """Refuse, by name, complex parameters, and parameter subclasses this unit cannot
-    shard as asked (see ``_low_precision.check_param_type``; parameters sharded already
-    or by tensor parallelism are checked where they were)."""
+    """Refuse, by name, complex tensor-parallel parameters, and parameter subclasses this
+    unit cannot shard as asked (see ``_low_precision.check_param_type``; parameters sharded
+    already or by tensor parallelism are checked where they were)."""
     dp = unit.dp_mesh
     for (_, _, param, fqn, _), shard_dim in zip(owned, shard_dims, strict=True):
-        if param.is_complex():
+        if param.is_complex() and isinstance(param, DTensor):
             raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} is complex ({param.dtype}), which is not supported: our collectives carry "
-                "real dtypes only. Register it as a real parameter with a trailing dimension of 2 "
-                "(nn.Parameter(torch.view_as_real(weight))) and read it through torch.view_as_complex in forward, "
-                "or pass it in ignored_params"
+                f"fully_shard: parameter {fqn!r} is a complex tensor-parallel DTensor ({param.dtype}), which is not "
+                "supported; keep complex parameters out of the tensor-parallel plan, or pass it in ignored_params"
             )
         if getattr(param, _SHARDED_AS, None) is None and not isinstance(param, DTensor):
             check_param_type(

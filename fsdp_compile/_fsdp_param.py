@@ -106,6 +106,11 @@ class FSDPParam:
         tp = self.tensor_parallel = TensorParallelSpec.of(param) if isinstance(param, DTensor) else None
         data = (param if tp is None else param.to_local()).detach()
         self.shard_dim = shard_dim
+        # [Note: complex parameters] Collectives move a complex parameter as its real view
+        # (a trailing dim of 2; FSDP2's c10d calls do the same): the layout is the real
+        # view's, a gather reads ``view_as_real`` of the shard and the module reads
+        # ``view_as_complex`` of the gathered tensor; autograd converts the gradient back.
+        self.is_complex = data.is_complex()
         # The dtype it is gathered and computed in (per parameter: param_dtype_override_fn).
         self.param_dtype = param_dtype_for(unit.mp_policy, param)
         self.layout, local = self._shard(data, shard_dim)
@@ -145,10 +150,12 @@ class FSDPParam:
         self.refresh_spec()
         # Whether the gathered tensor (dim 0 first) is what the module reads: no dim moved
         # back, no tensor-parallel DTensor around it (see :meth:`_for_compute`).
-        self._reads_gathered_as_is = (not shard_dim or self.layout is None) and tp is None
+        self._reads_gathered_as_is = (not shard_dim or self.layout is None) and tp is None and not self.is_complex
         # Whether a traced gather reads :attr:`local_view` itself: nothing to move to the
         # compute device, no shard dim to move first.
-        self._reads_local_view_as_is = not unit.devices.offload_to_cpu and (not shard_dim or self.layout is None)
+        self._reads_local_view_as_is = (
+            not unit.devices.offload_to_cpu and (not shard_dim or self.layout is None) and not self.is_complex
+        )
         # Whether a traced read of this trainable parameter needs nothing but
         # :attr:`local_view` (see [Note: traced reads without the DTensor]).
         self.traced_read_needs_local_view_only = self._reads_local_view_as_is and tp is None and not self.extension
@@ -159,6 +166,9 @@ class FSDPParam:
         dp = self.unit.dp_mesh
         self.extension = has_all_gather_extension(data)
         if not self.extension:
+            if self.is_complex:
+                layout, local = _split(torch.view_as_real(data), shard_dim, dp)
+                return layout, torch.view_as_complex(local)
             return _split(data, shard_dim, dp)
         if self.tensor_parallel is not None:
             raise NotImplementedError(
@@ -309,6 +319,8 @@ class FSDPParam:
         reshards to a smaller group (eager code: the saved-tensor hooks)."""
         _, size, index = self.unit.reshard_to
         full = self.gathered.movedim(self.shard_dim, 0) if self.shard_dim else self.gathered
+        if self.is_complex:
+            full = torch.view_as_real(full)
         with torch.no_grad():
             return post_forward_shard(full, self.layout, size, index)
 
@@ -374,11 +386,15 @@ class FSDPParam:
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local shard on the compute device, its shard dim first."""
         local = self.unit.devices.to_compute(self._local_shard(sharded_param))
-        return local.movedim(self.shard_dim, 0) if self.shard_dim and self.layout is not None else local
+        if self.shard_dim and self.layout is not None:
+            local = local.movedim(self.shard_dim, 0)
+        return torch.view_as_real(local) if self.is_complex else local
 
     def _for_compute(self, full: torch.Tensor) -> torch.Tensor:
         """What the module's forward reads: the gathered tensor with its dims in place, as
         the TP ``DTensor`` it was before sharding if tensor parallelism made it one."""
+        if self.is_complex:
+            full = torch.view_as_complex(full)
         if self.shard_dim and self.layout is not None:
             full = full.movedim(0, self.shard_dim)
         return full if self.tensor_parallel is None else self.tensor_parallel.wrap(full)
@@ -405,7 +421,12 @@ class FSDPParam:
         reduce-scatter; a hook on the sharded parameter then drops it."""
         if self._grad_accumulator is None and self.sharded_param.requires_grad:
             local = self.sharded_param.to_local()
-            self._grad_accumulator = self._accumulation_leaf(self.sharded_param.shape, local.dtype, local.device)
+            if self.is_complex:  # accumulated as the gathered real view (see [Note: complex parameters])
+                local = torch.view_as_real(local)
+            # The gathered tensor's shape: the shard dim first, this rank's tensor-parallel
+            # piece (the layout's); a replicated parameter's is its local tensor's.
+            shape = local.shape if self.layout is None else self.layout.full_shape
+            self._grad_accumulator = self._accumulation_leaf(shape, local.dtype, local.device)
 
     def prepare_partial_reduction(self) -> None:
         """Create the leaf that collects this parameter's reduce-scattered gradient while

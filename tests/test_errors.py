@@ -204,13 +204,14 @@ def test_mixed_precision_dtype_must_be_floating_point(fake_pg, field):
         fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(**{field: torch.int32}))
 
 
-def test_complex_parameter_is_refused_by_name(fake_pg):
-    """Complex parameters are refused before any collective (they failed inside the first
-    all-gather); ``ignored_params`` leaves one out."""
-    model = nn.Sequential(nn.Linear(4, 4))
-    model.register_parameter("spectrum", nn.Parameter(torch.randn(4, 2, dtype=torch.complex64)))
-    with pytest.raises(NotImplementedError, match=r"parameter 'spectrum' is complex \(torch.complex64\).*view_as_real"):
-        fully_shard(model)
-    assert type(model) is nn.Sequential  # untouched
-    fully_shard(model, ignored_params={model.spectrum})
-    assert model.spectrum.dtype == torch.complex64 and type(model.spectrum) is nn.Parameter
+def test_complex_tensor_parallel_parameter_is_refused_by_name(fake_pg):
+    """Complex parameters are sharded (``test_layouts.py``), but not complex tensor-parallel
+    ``DTensor``s: refused by name before any collective."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    module = nn.Linear(4, 4)
+    module.spectrum = nn.Parameter(DTensor.from_local(torch.zeros(1, 4, dtype=torch.complex64), mesh["tp"], [Shard(0)]))
+    with pytest.raises(NotImplementedError, match=r"parameter 'spectrum' is a complex tensor-parallel DTensor"):
+        fully_shard(module, mesh=mesh["dp"])
+    assert type(module) is nn.Linear  # untouched

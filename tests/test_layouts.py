@@ -321,3 +321,101 @@ def test_non_contiguous_parameters_train_like_the_reference(pool2):
         check_graph_count=True, pool=pool2,
     )
     assert report.graphs["ours:aot_eager_passes"] == 1
+
+
+# ------------------------------------------------------------------ complex parameters
+
+
+class _SpectralWeights(torch.nn.Module):
+    """Per-frequency complex weights and a complex channel mix (FSDP2 wants one dtype per
+    unit: these are a unit of their own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spectral = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.complex64) / 4)  # 4 frequencies, 6 channels
+        self.mix = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.complex64) / 4)  # sharded on dim 1
+
+    def forward(self, h):
+        return (h * self.spectral) @ self.mix
+
+
+class SpectralMixer(torch.nn.Module):
+    """A Fourier layer (FNO-style) with real layers around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(6, 6)
+        self.weights = _SpectralWeights()
+        self.out = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # x: (batch, 6 positions, 6 channels)
+        h = torch.fft.rfft(self.inp(x), dim=1)  # (batch, 4 frequencies, 6)
+        return self.out(torch.fft.irfft(self.weights(h), n=6, dim=1))
+
+
+def train_spectral_mixer(kind: str, backend: str | None, steps: int = 2) -> dict:
+    """``SpectralMixer`` sharded by ``kind`` (ours or FSDP2), ``mix`` on dim 1; two
+    micro-batches per AdamW step, gradient sync off on the first."""
+    import torch.distributed as dist
+
+    from fsdp_compile.testing import full_parameters
+    from tests.models import fully_shard_of
+
+    model = SpectralMixer()
+    _shard_spectral_mixer(model, fully_shard_of(kind))
+    run = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, params = [], []
+    for step in range(steps):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            g = torch.Generator().manual_seed(10 * step + micro)
+            x, y = torch.randn(4, 6, 6, generator=g), torch.randn(4, 6, 3, generator=g)
+            x, y = x.chunk(dist.get_world_size())[dist.get_rank()], y.chunk(dist.get_world_size())[dist.get_rank()]
+            loss = torch.nn.functional.mse_loss(run(x), y) / 2
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        params.append(full_parameters(model))
+    return {"losses": losses, "params": params, "dtypes": {n: str(p.dtype) for n, p in model.named_parameters()}}
+
+
+def test_complex_parameters_train_like_the_reference_and_fsdp2(pool2):
+    """Complex parameters (FSDP2 moves them as real views, so do we: see
+    ``_fsdp_param``'s [Note: complex parameters]), one sharded on dim 1, with gradient
+    accumulation: ours eager matches FSDP2, compiled (``aot_eager_passes``) bitwise eager
+    in one graph; and the unsharded model to fp32 rounding (``assert_parity``, Inductor
+    too)."""
+    from fsdp_compile.testing import assert_parity
+
+    fsdp2 = pool2.run(train_spectral_mixer, "fsdp2", None)[0]
+    eager = pool2.run(train_spectral_mixer, "ours", None)[0]
+    compiled = pool2.run(train_spectral_mixer, "ours", "aot_eager_passes")[0]
+    assert eager["dtypes"]["weights.spectral"] == eager["dtypes"]["weights.mix"] == "torch.complex64"
+    assert compiled["losses"] == eager["losses"]
+    for got, fsdp2_params in zip(eager["params"], fsdp2["params"], strict=True):
+        for name in fsdp2_params:
+            torch.testing.assert_close(got[name], fsdp2_params[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for got, eager_params in zip(compiled["params"], eager["params"], strict=True):
+        for name in eager_params:
+            torch.testing.assert_close(got[name], eager_params[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    report = assert_parity(
+        SpectralMixer, _spectral_batch, _mse, shard_fn=_shard_spectral_mixer, backends=("eager", "inductor"),
+        check_graph_count=True,
+        pool=pool2,
+    )
+    assert report.graphs["ours:inductor"] == 1
+
+
+def _spectral_batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 6, 6, generator=g), torch.randn(4, 6, 3, generator=g)
+
+
+def _shard_spectral_mixer(model, fully_shard) -> None:
+    from torch.distributed.tensor import Shard
+
+    fully_shard(model.weights, shard_placement_fn=lambda p: Shard(1) if p.shape == (6, 4) else None)
+    fully_shard(model)
