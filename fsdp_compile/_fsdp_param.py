@@ -384,7 +384,8 @@ class FSDPParam:
         return sharded_param.to_local()
 
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
-        """The local shard on the compute device, its shard dim first."""
+        """The local shard on the compute device, its shard dim first (a complex one as its
+        real view)."""
         local = self.unit.devices.to_compute(self._local_shard(sharded_param))
         if self.shard_dim and self.layout is not None:
             local = local.movedim(self.shard_dim, 0)
