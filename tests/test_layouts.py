@@ -385,9 +385,9 @@ def train_spectral_mixer(kind: str, backend: str | None, steps: int = 2) -> dict
 def test_complex_parameters_train_like_the_reference_and_fsdp2(pool2):
     """Complex parameters (FSDP2 moves them as real views, so do we: see
     ``_fsdp_param``'s [Note: complex parameters]), one sharded on dim 1, with gradient
-    accumulation: ours eager matches FSDP2, compiled (``aot_eager_passes``) bitwise eager
-    in one graph; and the unsharded model to fp32 rounding (``assert_parity``, Inductor
-    too)."""
+    accumulation: ours eager matches FSDP2, compiled (``aot_eager_passes``) bitwise eager;
+    and the unsharded model to fp32 rounding, in one graph (``assert_parity``; under
+    Inductor too when tried by hand, left out here for the suite's time)."""
     from fsdp_compile.testing import assert_parity
 
     fsdp2 = pool2.run(train_spectral_mixer, "fsdp2", None)[0]
@@ -402,10 +402,10 @@ def test_complex_parameters_train_like_the_reference_and_fsdp2(pool2):
         for name in eager_params:
             torch.testing.assert_close(got[name], eager_params[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     report = assert_parity(
-        SpectralMixer, _spectral_batch, _mse, shard_fn=_shard_spectral_mixer, backends=("inductor",), check_graph_count=True,
-        pool=pool2,
+        SpectralMixer, _spectral_batch, _mse, shard_fn=_shard_spectral_mixer, backends=("aot_eager_passes",),
+        check_graph_count=True, pool=pool2,
     )
-    assert report.graphs["ours:inductor"] == 1
+    assert report.graphs["ours:aot_eager_passes"] == 1
 
 
 def _spectral_batch(step: int):

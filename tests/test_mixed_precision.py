@@ -161,13 +161,19 @@ def train_with_index_table(kind: str, steps: int = 3) -> dict:
 
 def test_integer_parameter_keeps_its_dtype_under_a_bf16_policy(pool2):
     """As in FSDP2, ``param_dtype`` applies to floating-point parameters only: an integer
-    parameter is gathered as it is (it was cast to bf16 and failed as an index), and
-    the model trains bitwise like FSDP2's, eager and compiled."""
+    parameter is gathered as it is (it was cast to bf16 and failed as an index); the
+    model trains like FSDP2's (bf16-level tolerance, as above: torch 2.15's FSDP2 reduces
+    bf16 gradients in another order), compiled bitwise eager."""
     fsdp2 = pool2.run(train_with_index_table, "fsdp2")[0]
-    for kind in ("ours-eager", "ours-aot_eager"):
-        ours = pool2.run(train_with_index_table, kind)[0]
-        assert ours["gathered"] == {"lin.weight": "torch.bfloat16", "lin.bias": "torch.bfloat16", "table": "None"}
-        assert ours["losses"] == fsdp2["losses"], kind
+    eager, compiled = (pool2.run(train_with_index_table, kind)[0] for kind in ("ours-eager", "ours-aot_eager"))
+    for kind, ours in (("ours-eager", eager), ("ours-aot_eager", compiled)):
+        assert ours["gathered"] == {"lin.weight": "torch.bfloat16", "lin.bias": "torch.bfloat16", "table": "None"}, kind
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(fsdp2["losses"]), rtol=2e-2, atol=2e-3)
         for mine, theirs in zip(ours["params"], fsdp2["params"], strict=True):
+            assert torch.equal(mine["table"], theirs["table"]), kind
             for name in theirs:
-                torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=0, msg=f"{kind}: {name}")
+                torch.testing.assert_close(mine[name], theirs[name], rtol=2e-2, atol=2e-3, msg=f"{kind}: {name}")
+    assert compiled["losses"] == eager["losses"]
+    for mine, theirs in zip(compiled["params"], eager["params"], strict=True):
+        for name in theirs:
+            torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=0, msg=f"aot_eager vs eager: {name}")
