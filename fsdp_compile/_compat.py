@@ -165,17 +165,25 @@ class _AliasOfLocalTensor(torch.autograd.Function):
     reference to the parameter is kept here: a weak one would stop ``swap_tensors``)."""
 
     @staticmethod
-    def forward(ctx, dtensor, on_backward):
-        ctx.spec = dtensor._spec
-        ctx.on_backward = on_backward
+    def forward(dtensor, on_backward, spec):
         return dtensor._local_tensor.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # (A ``setup_context`` of its own: ``torch.func`` transforms need it; they hand it
+        # the tensors unwrapped, hence the spec passed on its own.)
+        _, ctx.on_backward, ctx.spec = inputs
+
+    @staticmethod
+    def jvp(ctx, dtensor_tangent, *_):
+        return None if dtensor_tangent is None else dtensor_tangent._local_tensor
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.on_backward is not None:
             ctx.on_backward()
         dtensor = _dtensor_class()
-        return dtensor.__new__(dtensor, grad, ctx.spec, requires_grad=False), None
+        return dtensor.__new__(dtensor, grad, ctx.spec, requires_grad=False), None, None
 
 
 @functools.cache
@@ -189,7 +197,18 @@ def alias_of_local_tensor(dtensor, on_backward=None) -> torch.Tensor:
     """A plain tensor over ``dtensor``'s local storage whose gradient flows back to
     ``dtensor`` (see :class:`_AliasOfLocalTensor`); ``on_backward()`` is called by each
     backward through it."""
-    return _AliasOfLocalTensor.apply(dtensor, on_backward)
+    return _AliasOfLocalTensor.apply(dtensor, on_backward, dtensor._spec)
+
+
+def functorch_transforms_active() -> bool:
+    """torch/_C: whether a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``) is running
+    (then every autograd ``Function`` called needs a ``setup_context``)."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def is_functorch_wrapper(t: torch.Tensor) -> bool:
+    """torch/_C/_functorch: whether ``t`` is a ``torch.func`` transform's wrapper (which has no storage)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def mark_as_parameter_input(t: torch.Tensor) -> None:
@@ -428,6 +447,36 @@ def group_backend(group_name: str) -> str | None:
     import torch.distributed as dist
 
     return _about_named_group(group_name, dist.get_backend)
+
+
+def issue_c10d_collective(kind: str, output: torch.Tensor, input_: torch.Tensor, group_name: str, reduce_op: str | None = None):
+    """Issue one eager collective as FSDP2 does, through ``torch.distributed``
+    (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce`` into ``output``, a copy
+    of ``input_``), so that torch's ``CommDebugMode`` and profiler see FSDP2's ops
+    (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``), and
+    register its work on ``output`` (``torch._C._distributed_c10d._register_work``, private in
+    torch 2.13) so that the functional ``wait_tensor(output)`` waits for it."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    if kind == "all_gather":
+        work = dist.all_gather_single(output, input_, group=group, async_op=True)
+    elif kind == "reduce_scatter":
+        work = dist.reduce_scatter_single(output, input_, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+    else:
+        output.copy_(input_)
+        work = dist.all_reduce(output, op=_REDUCE_OPS[reduce_op], group=group, async_op=True)
+    torch._C._distributed_c10d._register_work(output, work)
+    return output
+
+
+_REDUCE_OPS = {
+    "sum": torch.distributed.ReduceOp.SUM,
+    "avg": torch.distributed.ReduceOp.AVG,
+    "max": torch.distributed.ReduceOp.MAX,
+    "min": torch.distributed.ReduceOp.MIN,
+}
 
 
 def concatenate_meshes(meshes: list):

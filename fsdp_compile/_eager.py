@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_compile import config
-from fsdp_compile._compat import outside_dispatch_modes, running_backward_id, saved_tensors_hooks_active
+from fsdp_compile._compat import (
+    is_functorch_wrapper,
+    outside_dispatch_modes,
+    running_backward_id,
+    saved_tensors_hooks_active,
+)
 from fsdp_compile._eager_buckets import (
     bucket_key,
     gather_bucket,
@@ -457,12 +462,24 @@ def reshard_after_forward_hooks():
 def _gathered_param_of(t: torch.Tensor) -> FSDPParam | None:
     """The parameter whose gathered tensor ``t`` is (or views), among those gathered
     by the running sharded forwards."""
+    if is_functorch_wrapper(t) or not _has_storage(t):
+        return None  # torch.func's tensors (a jvp's): kept, not resharded
     storage = t.untyped_storage().data_ptr()
     for fsdp_param in forward_context.gathered_params():
         full = fsdp_param.gathered
+        if is_functorch_wrapper(full):  # under torch.func: kept, not resharded
+            continue
         if type(full) is torch.Tensor and full.numel() > 0 and full.untyped_storage().data_ptr() == storage:
             return fsdp_param
     return None
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (functorch)
+        return False
+    return True
 
 
 # Autograd calls the hooks from eager code, which may run inside a compiled call (a block
@@ -474,8 +491,13 @@ def _pack(t: torch.Tensor):
     if type(t) is not torch.Tensor or t.numel() == 0:
         return t
     fsdp_param = _gathered_param_of(t)
-    if fsdp_param is None or fsdp_param.layout is None or not fsdp_param.unit.frees_gathered_after_forward():
-        return t  # (layout None: the "gathered" tensor is the local one, nothing to free)
+    if (
+        fsdp_param is None
+        or fsdp_param.layout is None
+        or fsdp_param.held is not None
+        or not fsdp_param.unit.frees_gathered_after_forward()
+    ):
+        return t  # (layout None: the "gathered" tensor is the local one; held: unshard() keeps it)
     state = fsdp_param.unit.eager
     slot = state.open_slots.get(fsdp_param)
     if slot is None or slot.pending == 0:

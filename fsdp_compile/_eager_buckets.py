@@ -29,17 +29,21 @@ if TYPE_CHECKING:
 
 def bucket_key(fsdp_param: FSDPParam) -> tuple | None:
     """What eager code buckets the parameter's collectives by with others of its unit
-    (:func:`gather_bucket`), or ``None`` if it gathers on its own: replicated, gradient
-    sync off or an accumulated gradient pending, or still gathered."""
+    (:func:`gather_bucket`), or ``None`` if it gathers on its own: replicated, still
+    gathered, or accumulating HSDP's partial reductions. Gradient accumulation buckets as
+    FSDP2's: micro-batches without sync gather the unit at once (their gradients go to
+    the accumulators), and the synced one reduce-scatters the unit at once, accumulated
+    gradients included."""
     unit = fsdp_param.unit
-    if fsdp_param.extension or fsdp_param.kept is not None or not unit.requires_gradient_sync:
+    if fsdp_param.extension or fsdp_param.kept is not None:
         return None  # (an extension parameter's own hooks decide what its all-gather moves)
     accumulator, partial = fsdp_param._grad_accumulator, fsdp_param._partial_accumulator
-    if accumulator is not None and accumulator.grad is not None:
+    if not unit.requires_gradient_sync and accumulator is None and fsdp_param.sharded_param.requires_grad:
         return None
     if partial is not None and (not unit.requires_all_reduce or partial.grad is not None):
         return None
-    return regather_key(fsdp_param)
+    key = regather_key(fsdp_param)
+    return None if key is None else (*key, unit.requires_gradient_sync)
 
 
 def regather_key(fsdp_param: FSDPParam) -> tuple | None:
@@ -60,14 +64,20 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
         warn_gathered_in_broken_graph(first)
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
     specs = [p.spec for p in fsdp_params]
+    pendings = [None if p._grad_accumulator is None else p._grad_accumulator.grad for p in fsdp_params]
     with fx_annotate(first.spec.tag.as_meta()):
-        if defers_reduction(shards):
+        if not first.unit.requires_gradient_sync and shards[0].requires_grad and torch.is_grad_enabled():
+            accumulators = [p._grad_accumulator for p in fsdp_params]
+            fulls = gather_bucket_with_grad_sync([s.detach() for s in shards], specs, in_flight, accumulators=accumulators)
+        elif defers_reduction(shards):
             deliver = first.unit.eager.reductions.deliverer(shards)
             fulls = gather_bucket_with_grad_sync(
-                [s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params
+                [s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params, pendings
             )
         else:
-            fulls = gather_bucket_with_grad_sync(shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params)
+            fulls = gather_bucket_with_grad_sync(
+                shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params, pendings=pendings
+            )
     for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
         fsdp_param._note_gathered(full)
 

@@ -23,7 +23,14 @@ import torch
 
 from fsdp_compile._compat import c10d_functional, fx_annotate
 from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in
-from fsdp_compile.runtime.collectives import CollectiveSpec, ShardLayout, issue_all_gather
+from fsdp_compile.runtime.collectives import (
+    CollectiveSpec,
+    ShardLayout,
+    as_movable,
+    issue_all_gather,
+    issue_all_reduce,
+    issue_reduce_scatter,
+)
 
 
 def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
@@ -54,9 +61,10 @@ class AllGatherInFlight:
 
     gathered: torch.Tensor  # the collective's output, written asynchronously
     layouts: list[ShardLayout]
+    dtype: torch.dtype  # the shards' (``gathered`` may be its uint8 view, see ``as_movable``)
 
     def wait(self) -> list[torch.Tensor]:
-        gathered = c10d_functional.wait_tensor(self.gathered)
+        gathered = c10d_functional.wait_tensor(self.gathered).view(self.dtype)
         world_size = self.layouts[0].world_size
         padded = [layout.padded_numel for layout in self.layouts]
         # Copy-out: one op fills every member's padded full tensor (rank-major rows).
@@ -77,7 +85,8 @@ def issue_all_gather_bucket(
     if param_dtype is not None:
         shards = [s.to(param_dtype) for s in shards]
     flat = all_gather_copy_in([s.contiguous() for s in shards], [layout.padded_numel for layout in layouts])
-    return AllGatherInFlight(issue_all_gather(flat, layouts[0].world_size, layouts[0].group_name), list(layouts))
+    gathered = issue_all_gather(as_movable(flat), layouts[0].world_size, layouts[0].group_name)
+    return AllGatherInFlight(gathered, list(layouts), flat.dtype)
 
 
 @dataclass(eq=False)
@@ -118,13 +127,13 @@ def issue_reduce_scatter_bucket(
     flat = reduce_scatter_copy_in(
         [g.contiguous() for g in grads], [layout.padded_numel * world_size for layout in layouts], world_size
     )
-    reduced = c10d_functional.reduce_scatter_tensor(flat, spec.reduce_op, world_size, group_name)
+    reduced = issue_reduce_scatter(flat, spec.reduce_op, world_size, group_name)
     return ReduceScatterInFlight(reduced, list(layouts), spec.reduce_op, tuple(spec.reduce_group_names), list(shard_dtypes))
 
 
 def _all_reduce_bucket(shards: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:
     flat = torch.cat([s.reshape(-1) for s in shards])
-    flat = c10d_functional.wait_tensor(c10d_functional.all_reduce(flat, reduce_op, group_name))
+    flat = c10d_functional.wait_tensor(issue_all_reduce(flat, reduce_op, group_name))
     return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in shards]), shards, strict=True)]
 
 
@@ -135,9 +144,11 @@ _GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 
 class _GatherBucketWithGradSync(torch.autograd.Function):
     """Forward: the full tensors of a bucket's shards, in ``param_dtype``.
-    Backward: their gradients, in ``reduce_dtype`` and pre-scaled, reduce-scattered
-    together, all-reduced together over each replicate group, cast to each shard's dtype
-    (gradient sync on; a bucket is never built with it off). A member whose output got
+    Backward: their gradients (plus each member's ``pending`` gradient, accumulated by
+    earlier micro-batches without sync), in ``reduce_dtype`` and pre-scaled,
+    reduce-scattered together, all-reduced together over each replicate group, cast to
+    each shard's dtype. With ``accumulators`` (gradient sync off) nothing is reduced:
+    each full gradient goes to its member's accumulator leaf instead. A member whose output got
     no gradient (unused by this backward) is left out of the reduction and gets none,
     as in an unsharded model; with ``reduce_unused`` it reduces zeros instead (FSDP2's
     ``set_reduce_scatter_unused_params``: every rank then issues the same collective
@@ -150,19 +161,55 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, specs: tuple[CollectiveSpec, ...], in_flight: AllGatherInFlight | None, deliver, reduce_unused: bool, *tensors
+        specs: tuple[CollectiveSpec, ...],
+        in_flight: AllGatherInFlight | None,
+        deliver,
+        reduce_unused: bool,
+        pendings: tuple[torch.Tensor | None, ...] | None,
+        n_accumulators: int,
+        *tensors,
     ):
-        shards = tensors[1:] if deliver is not None else tensors
-        ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
-        ctx.reduce_unused, ctx.device = reduce_unused, shards[0].device
-        ctx.set_materialize_grads(False)  # an unused member's gradient stays None
+        shards = tensors[1 if deliver is not None else 0 : len(tensors) - n_accumulators]
         if in_flight is None:
             in_flight = issue_all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype)
         return tuple(in_flight.wait())
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        # (A ``setup_context`` of its own: ``torch.func`` transforms, ``jvp`` among them, need it.)
+        specs, _, deliver, reduce_unused, pendings, n_accumulators, *tensors = inputs
+        shards = tensors[1 if deliver is not None else 0 : len(tensors) - n_accumulators]
+        ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
+        ctx.reduce_unused, ctx.device = reduce_unused, shards[0].device
+        ctx.pendings, ctx.accumulates = pendings, n_accumulators > 0
+        ctx.first_shard = 1 if deliver is not None else 0
+        ctx.set_materialize_grads(False)  # an unused member's gradient stays None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        """Forward mode: the gather is linear; the outputs' tangents are the gathers of the
+        shards' (none where the shards have none, as parameters do)."""
+        shard_tangents = tangents[6 + ctx.first_shard : 6 + ctx.first_shard + len(ctx.shard_dtypes)]
+        if all(t is None for t in shard_tangents):
+            return (None,) * len(ctx.shard_dtypes)
+        layouts = [spec.layout for spec in ctx.specs]
+        filled = [
+            torch.zeros(layout.local_shape, dtype=d, device=ctx.device) if t is None else t
+            for t, d, layout in zip(shard_tangents, ctx.shard_dtypes, layouts, strict=True)
+        ]
+        return tuple(issue_all_gather_bucket(filled, layouts, ctx.specs[0].param_dtype).wait())
+
+    @staticmethod
     def backward(ctx, *grads):
         specs, first = ctx.specs, ctx.specs[0]
+        if ctx.accumulates:  # gradient sync off: into the accumulators, nothing reduced
+            to_accumulators = [None if g is None else g.to(d) for g, d in zip(grads, ctx.shard_dtypes, strict=True)]
+            return (None,) * (6 + len(grads)) + tuple(to_accumulators)
+        if ctx.pendings is not None:
+            grads = tuple(
+                g if pending is None else pending if g is None else g.to(pending.dtype) + pending
+                for g, pending in zip(grads, ctx.pendings, strict=True)
+            )
         if ctx.reduce_unused:
             grads = tuple(
                 g if g is not None else torch.zeros(spec.layout.full_shape, dtype=first.param_dtype or dtype, device=ctx.device)
@@ -170,7 +217,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
             )
         members = [i for i, g in enumerate(grads) if g is not None]
         if not members:  # every output reached backward without a gradient: nothing to reduce
-            return (None,) * (4 + ctx.n_tensors)
+            return (None,) * (6 + ctx.n_tensors)
         with fx_annotate(first.reduce_meta):
 
             def issue() -> ReduceScatterInFlight:
@@ -180,9 +227,9 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
 
             if ctx.deliver is not None:
                 ctx.deliver(issue, members)
-                return (None,) * (4 + ctx.n_tensors)
+                return (None,) * (6 + ctx.n_tensors)
             reduced = dict(zip(members, issue().wait(), strict=True))
-            return (None, None, None, None, *(reduced.get(i) for i in range(len(grads))))
+            return (None,) * 6 + tuple(reduced.get(i) for i in range(len(grads)))
 
 
 def gather_bucket_with_grad_sync(
@@ -191,6 +238,8 @@ def gather_bucket_with_grad_sync(
     in_flight: AllGatherInFlight | None = None,
     deliver=None,
     reduce_unused: bool = False,
+    pendings: list[torch.Tensor | None] | None = None,
+    accumulators: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The full tensors (dim 0 first) of ``shards``, whose specs share one
     :func:`bucket_key`, with one all-gather; their gradients are reduced back with
@@ -200,6 +249,17 @@ def gather_bucket_with_grad_sync(
     issues the reduce-scatter and returns its :class:`ReduceScatterInFlight`, and the
     indices of the members it reduces, instead of issuing and waiting for it; ``shards``
     then get no gradient from autograd (pass them detached). ``reduce_unused``: reduce
-    zeros for members that got no gradient instead of leaving them out."""
+    zeros for members that got no gradient instead of leaving them out.
+
+    Gradient accumulation: ``pendings`` (one per member, or ``None``) are the unsharded
+    gradients earlier micro-batches accumulated without sync, added before this
+    reduction; with ``accumulators`` (one leaf per member, gradient sync off) the
+    gradients go to their ``.grad`` and nothing is reduced."""
     tensors = (_GRAD_ANCHOR, *shards) if deliver is not None else tuple(shards)
-    return list(_GatherBucketWithGradSync.apply(tuple(specs), in_flight, deliver, reduce_unused, *tensors))
+    accumulators = tuple(accumulators or ())
+    pendings = tuple(pendings) if pendings is not None and any(p is not None for p in pendings) else None
+    return list(
+        _GatherBucketWithGradSync.apply(
+            tuple(specs), in_flight, deliver, reduce_unused, pendings, len(accumulators), *tensors, *accumulators
+        )
+    )

@@ -41,6 +41,11 @@ class FSDP2TuningMethods:
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted for FSDP2 compatibility (``max_input_buffers >= 1``); changes nothing here:
         how many reduce-scatters are in flight is ``fsdp_compile.config.reduce_scatter_depth``."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"set_reduce_scatter_max_input_buffers({max_input_buffers!r}): max_input_buffers must be an int, "
+                f"got {type(max_input_buffers).__name__}"
+            )
         if max_input_buffers < 1:
             raise ValueError(f"set_reduce_scatter_max_input_buffers({max_input_buffers}): must be >= 1")
 

@@ -118,13 +118,13 @@ def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str
     return dim
 
 
-def _default_mesh(modules: list[nn.Module], shard: bool) -> DeviceMesh:
+def _default_mesh(modules: list[nn.Module]) -> DeviceMesh:
     """All ranks, on the parameters' device type (for meta or CPU-offloaded
     parameters, as FSDP2: the accelerator if there is one, else CPU)."""
     device_type = _params_device_type(modules)
     if device_type in (None, "meta") or (device_type == "cpu" and torch.cuda.is_available()):
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard" if shard else "replicate",))
+    return init_device_mesh(device_type, (dist.get_world_size(),))  # unnamed, as FSDP2's
 
 
 def _params_device_type(modules: list[nn.Module]) -> str | None:
@@ -178,7 +178,7 @@ def _collect_owned_params(
         stack = [("", root)]
         while stack:
             prefix, mod = stack.pop()
-            if isinstance(mod, TorchFSDPModule):
+            if isinstance(mod, TorchFSDPModule) and not _is_sharded_module(mod):
                 raise ValueError(
                     f"fully_shard({_unit_name(modules)}): {type(mod).__name__} {prefix.rstrip('.') or '(this module)'!r} "
                     "is sharded by torch's own fully_shard (torch.distributed.fsdp); the two cannot be mixed in one "

@@ -22,7 +22,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile._compat import alias_of_local_tensor, fx_annotate, local_tensor_of, mark_as_parameter_input
+from fsdp_compile._compat import (
+    alias_of_local_tensor,
+    functorch_transforms_active,
+    fx_annotate,
+    local_tensor_of,
+    mark_as_parameter_input,
+)
 from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._low_precision import (
@@ -57,7 +63,9 @@ class ParamState(enum.Enum):
     SHARDED = "sharded"
     #: Gathered (with autograd) in a running sharded forward; dropped when it returns.
     GATHERED = "gathered"
-    #: Gathered without autograd by ``FSDPModule.unshard()``, until ``reshard()``.
+    #: Gathered by ``FSDPModule.unshard()``, until ``reshard()``: reads outside a sharded
+    #: forward get the full tensor (no autograd); a grad-enabled sharded forward reads it
+    #: with autograd (its gradient reduced back into the shard) without gathering again.
     HELD = "held"
 
 
@@ -92,6 +100,10 @@ class FSDPParam:
             (``None`` for a plain parameter); FSDP then shards its local tensor.
         spec: how its collectives run (:class:`~fsdp_compile.runtime.collectives.CollectiveSpec`).
         state / gathered: the :class:`ParamState` and, unless ``SHARDED``, the full tensor.
+        held / held_raw: while ``HELD`` (``FSDPModule.unshard()``), the full tensor reads get
+            (no autograd), and the gathered tensor (dim 0 first) that forwards read with
+            autograd instead of gathering (``None`` for an all-gather-extension parameter,
+            whose forwards gather again).
         kept: the full tensor kept from the last forward for the next one
             (``set_reshard_after_backward(False)``), else ``None``.
         unit: the :class:`~fsdp_compile._fsdp_state.FSDPUnit` that owns it.
@@ -139,6 +151,8 @@ class FSDPParam:
         self.refresh_local_view()
         self.state = ParamState.SHARDED
         self.gathered: torch.Tensor | None = None
+        self.held: torch.Tensor | None = None
+        self.held_raw: torch.Tensor | None = None
         # With set_reshard_after_backward(False): the full tensor (dim 0 first, no autograd)
         # the next forward reads instead of gathering.
         self.kept: torch.Tensor | None = None
@@ -147,6 +161,8 @@ class FSDPParam:
         # not yet all-reduced, gradient (FSDP2's partial reduce output).
         self._partial_accumulator: torch.Tensor | None = None
         self.owner: tuple[nn.Module, str] | None = None
+        #: Every (module, name) that registers :attr:`sharded_param` (several for a shared weight).
+        self.registrations: list[tuple[nn.Module, str]] = []
         self.refresh_spec()
         # Whether the gathered tensor (dim 0 first) is what the module reads: no dim moved
         # back, no tensor-parallel DTensor around it (see :meth:`_for_compute`).
@@ -159,6 +175,68 @@ class FSDPParam:
         # Whether a traced read of this trainable parameter needs nothing but
         # :attr:`local_view` (see [Note: traced reads without the DTensor]).
         self.traced_read_needs_local_view_only = self._reads_local_view_as_is and tp is None and not self.extension
+
+    def adopt(self, param: nn.Parameter) -> None:
+        """Make ``param``, assigned to the parameter's name after ``fully_shard``
+        (``module.weight = nn.Parameter(...)``, ``load_state_dict(sd, assign=True)``), the
+        sharded parameter, as FSDP2's lazy init does: a ``DTensor`` with this parameter's
+        mesh, placements and shape is taken as it is (its local tensor is this rank's
+        shard: what ``distribute_tensor`` of the full tensor gives); a plain tensor of the
+        full shape is sharded. Anything else raises, naming the parameter."""
+        old = self.sharded_param
+        if isinstance(param, DTensor):
+            if (param.device_mesh, tuple(param.placements), param.shape) != (old.device_mesh, tuple(old.placements), old.shape):
+                raise ValueError(
+                    f"fully_shard: the DTensor assigned to {self.fqn!r} has mesh {param.device_mesh}, placements "
+                    f"{tuple(param.placements)} and shape {tuple(param.shape)}; the sharded parameter has "
+                    f"{old.device_mesh}, {tuple(old.placements)} and {tuple(old.shape)}. Assign a DTensor laid out as "
+                    "model.state_dict() gives it (distribute_tensor(full, p.device_mesh, p.placements)), or the full tensor"
+                )
+            local = self.unit.devices.to_storage(local_tensor_of(param))
+            if local is not local_tensor_of(param):
+                param = nn.Parameter(
+                    DTensor.from_local(
+                        local, old.device_mesh, old.placements, run_check=False, shape=old.shape, stride=old.stride()
+                    ),
+                    requires_grad=param.requires_grad,
+                )
+        elif self.tensor_parallel is None and not self.extension and param.shape == old.shape and param.dtype == old.dtype:
+            param = self._sharded_param_from(param.detach(), param.requires_grad)
+        else:
+            raise ValueError(
+                f"fully_shard: a {type(param).__name__} of shape {tuple(param.shape)} and dtype {param.dtype} was assigned "
+                f"to the sharded parameter {self.fqn!r} ({tuple(old.shape)}, {old.dtype}); assign the full tensor "
+                "or a DTensor laid out as model.state_dict() gives it"
+            )
+        self._install(param, old)
+
+    def _sharded_param_from(self, data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """A new sharded parameter over this rank's shard of ``data`` (the full tensor)."""
+        _, local = self._shard(data, self.shard_dim)
+        old = self.sharded_param
+        dtensor = DTensor.from_local(
+            self.unit.devices.to_storage(local),
+            old.device_mesh,
+            old.placements,
+            run_check=False,
+            shape=old.shape,
+            stride=old.stride(),
+        )
+        return nn.Parameter(dtensor, requires_grad=requires_grad)
+
+    def _install(self, param: nn.Parameter, old: nn.Parameter) -> None:
+        """Register ``param`` (an ``nn.Parameter(DTensor)`` laid out as ``old``) as the sharded
+        parameter in every module that registers ``old``."""
+        for key, value in vars(old).items():
+            if key not in vars(param) and key != "register_post_accumulate_grad_hook":
+                setattr(param, key, value)
+        route_forward_hooks_to_local_shard(param, self.local_fqn)
+        self.sharded_param = param
+        for module, name in self.registrations:
+            module._parameters[name] = param
+        if self._grad_accumulator is not None or self._partial_accumulator is not None:
+            param.register_post_accumulate_grad_hook(self._drop_consumed_accumulations)
+        self.refresh_local_view()
 
     def _shard(self, data: torch.Tensor, shard_dim: int) -> tuple[ShardLayout | None, torch.Tensor]:
         """This rank's shard of ``data`` and its layout. A tensor subclass with FSDP2's
@@ -231,7 +309,7 @@ class FSDPParam:
         Dynamo sees it come from the module's ``_parameters`` and lifts it as a
         graph input with a stable source.
         """
-        if self.state is not ParamState.SHARDED:
+        if self.state is ParamState.GATHERED or (self.state is ParamState.HELD and not self._held_read_needs_grad()):
             return self.gathered
         # (Traced at every parameter read: each call below is one more function Dynamo
         # inlines, so the compiled path skips what cannot apply there.)
@@ -253,8 +331,14 @@ class FSDPParam:
         spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
         if isinstance(naming, int):
             key = _spec_key_as_root(self, naming)
-        full = gather_with_grad_sync(local, spec, pending, accumulator, self.kept, partial_pending, partial_accumulator, key=key)
+        kept = self.kept if self.held_raw is None else self.held_raw
+        full = gather_with_grad_sync(local, spec, pending, accumulator, kept, partial_pending, partial_accumulator, key=key)
         return self._note_gathered(full)
+
+    def _held_read_needs_grad(self) -> bool:
+        """Whether a sharded forward's read of the held tensor needs autograd (FSDP2's
+        unsharded parameters are leaves whose gradients are reduced after backward)."""
+        return torch.is_grad_enabled() and self.sharded_param.requires_grad
 
     def _gather_with_extension(self, sharded_param: nn.Parameter, traced: bool) -> torch.Tensor:
         """The post hook's compute tensor (see ``_low_precision``); a trainable parameter's
@@ -296,7 +380,7 @@ class FSDPParam:
 
     def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
-        kept = None if self.unit.reshard_after_backward else full.detach()
+        kept = None if self.unit.reshard_after_backward or self.held_raw is not None else full.detach()
         if kept is not None or self.kept is not None:  # traced: no store to replay after the graph
             self.kept = kept
         self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
@@ -310,9 +394,13 @@ class FSDPParam:
         if self.extension:
             with torch.no_grad():
                 return gather_extension_with_grad(self, local_tensor_of(self.sharded_param), None)
+        return self._for_compute(self._gather_raw_without_autograd())
+
+    def _gather_raw_without_autograd(self) -> torch.Tensor:
+        """The gathered tensor as the all-gather returns it (dim 0 first, in ``param_dtype``)."""
         spec = dataclasses.replace(self.spec, tag=dataclasses.replace(self.spec.tag, role=Role.REGATHER))
         with torch.no_grad():
-            return self._for_compute(gather_with_grad_sync(self._gather_input(self.sharded_param), spec))
+            return gather_with_grad_sync(self._gather_input(self.sharded_param), spec)
 
     def post_forward_shard(self) -> torch.Tensor:
         """This rank's block of the gathered tensor kept after forward when the unit
@@ -381,6 +469,8 @@ class FSDPParam:
         local = local_tensor_of(sharded_param)
         if self.local_view.data_ptr() != local.data_ptr() or self.local_view.shape != local.shape:
             self.refresh_local_view()  # replaced since (a compiled step would read a stale alias)
+        if functorch_transforms_active():  # (DTensor's to_local has no setup_context)
+            return alias_of_local_tensor(sharded_param)
         return sharded_param.to_local()
 
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
@@ -401,16 +491,27 @@ class FSDPParam:
         return full if self.tensor_parallel is None else self.tensor_parallel.wrap(full)
 
     def drop_gathered(self) -> None:
-        """The running sharded forward that gathered this parameter returns."""
+        """The running sharded forward that gathered this parameter returns (a held one
+        is held again)."""
         if self.state is ParamState.GATHERED:
-            self.state, self.gathered = ParamState.SHARDED, None
+            held = self.held is not None
+            self.state, self.gathered = (ParamState.HELD, self.held) if held else (ParamState.SHARDED, None)
 
     def hold(self) -> None:
         """Keep the full tensor until :meth:`release` (``FSDPModule.unshard()``)."""
-        if self.state is not ParamState.HELD:
-            self.gathered, self.state = self.gather_without_autograd(), ParamState.HELD
+        if self.held is None:
+            if self.extension:
+                self.held = self.gather_without_autograd()
+            else:
+                self.held_raw = self._gather_raw_without_autograd()
+                self.held = self._for_compute(self.held_raw)
+            if self.state is ParamState.SHARDED:
+                self.state, self.gathered = ParamState.HELD, self.held
 
     def release(self) -> None:
+        """Free what :meth:`hold` and ``set_reshard_after_backward(False)`` kept (FSDP2's
+        ``reshard()`` frees every unsharded parameter)."""
+        self.held = self.held_raw = self.kept = None
         if self.state is ParamState.HELD:
             self.state, self.gathered = ParamState.SHARDED, None
 

@@ -288,16 +288,22 @@ forward_context = _ForwardContext()
 def warn_gathered_in_broken_graph(fsdp_param: FSDPParam) -> None:
     """Once per unit: its parameters are gathered in eager code between compiled graphs."""
     unit = fsdp_param.unit
-    if unit.warned_eager_gather:
+    if unit.warned_eager_gather or any(_compiled_on_its_own(m) for m in unit.modules):
+        # A unit compiled on its own (block.compile() or torch.compile(block), torchtitan's
+        # per-block compile) is gathered around its compiled frame by design, as FSDP2's
+        # hooks gather it: no graph broke.
         return
     unit.warned_eager_gather = True
     warnings.warn(
         f"fsdp_compile: graph break inside the sharded forward of unit {unit.fqn or '(root)'!r}: parameter "
         f"{fsdp_param.fqn!r} is gathered in eager code between compiled graphs, so its collectives "
         "cannot be bucketed or overlapped. TORCH_LOGS=graph_breaks shows where Dynamo broke; "
-        "fsdp_compile.debug.dump(DIR) writes each graph and its collectives. (A unit compiled on its own, "
-        "block.compile() or torch.compile(block), whose compiled frame starts below its forward is "
-        "gathered around that frame too, as FSDP2 gathers it: compile the whole model to bucket and "
-        "overlap its collectives.)",
+        "fsdp_compile.debug.dump(DIR) writes each graph and its collectives.",
         stacklevel=4,
     )
+
+
+def _compiled_on_its_own(module: nn.Module) -> bool:
+    """Whether ``module`` runs through a compiled call of its own (``module.compile()``, or a
+    ``torch.compile(module)`` result that ``fully_shard`` was applied to)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or "_fsdp_compiled_forward" in module.__dict__

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile import _eager
@@ -70,10 +71,16 @@ def _refuse_parameters_on_meta(unit: FSDPUnit) -> None:
     )
 
 
-class FSDPModule(FSDP2TuningMethods):
+class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
     """Mixin of every module passed to :func:`fully_shard` (class ``FSDP<Orig>``).
 
-    ``isinstance(m, FSDPModule)`` tells sharded units apart, as with FSDP2.
+    ``isinstance(m, FSDPModule)`` tells sharded units apart, as with FSDP2. It subclasses
+    torch's ``torch.distributed.fsdp.FSDPModule``, so the checks other stacks make
+    (torchtitan, accelerate, ``transformers.Trainer``, pipelining) see our units too and
+    call our methods: every public method of torch's class is overridden here (a test
+    holds that), and FSDP2's internal state (``_get_fsdp_state``) is refused by name.
+    As FSDP2's, constructing the class again (``Sequential[0:2]``) builds the original
+    class (torch's ``__new__``, with this class's ``_orig_cls_mro_index``).
     """
 
     _fsdp_unit: FSDPUnit
@@ -129,10 +136,20 @@ class FSDPModule(FSDP2TuningMethods):
             _eager.post_forward(self._fsdp_unit)
         return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
+    def _get_fsdp_state(self):
+        raise RuntimeError(
+            f"{type(self).__name__} is sharded by fsdp_compile.fully_shard, which has no FSDP2 internal state "
+            "(torch.distributed.fsdp._fully_shard's FSDPState); use the public FSDPModule methods instead"
+        )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's private switch for async all-gathers on its streams; accepted, changes nothing
+        (no side streams here: compiled graphs and eager code issue collectives in program order)."""
+
     def _apply(self, fn, *args, **kwargs):
         # ``to_empty``, ``.to(...)``, ``.float()``: new local tensors for the sharded
         # parameters; the views the gathers read follow (see [Note: plain graph inputs]).
-        result = super()._apply(fn, *args, **kwargs)
+        result = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # (torch's reaches for FSDP2's state)
         for fsdp_param in self._fsdp_unit.params:
             fsdp_param.refresh_local_view()
         return result
@@ -141,8 +158,12 @@ class FSDPModule(FSDP2TuningMethods):
         """Gather this unit's parameters and keep them gathered until :meth:`reshard`
         (e.g. for generation outside the compiled training step). While held,
         reading a parameter anywhere returns the full tensor and forwards gather
-        nothing. They are gathered without autograd: call ``reshard()`` before
-        training again. A collective: every rank must call it."""
+        nothing; a grad-enabled forward reads them with autograd, so backward reduces
+        their gradients as FSDP2's (one forward/backward per chunk of a loss, 1F1B
+        micro-batches). They stay gathered after forward whatever
+        ``reshard_after_forward`` says (FSDP2 reshards after that forward and gathers
+        again in backward): same numbers, no second all-gather. A collective: every
+        rank must call it."""
         for fsdp_param in self._fsdp_unit.params:
             fsdp_param.hold()
         return UnshardHandle() if async_op else None
@@ -422,7 +443,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
         raise RuntimeError(
             "fully_shard needs torch.distributed: call torch.distributed.init_process_group() first (or pass mesh=)"
         )
-    mesh = mesh if mesh is not None else _default_mesh(modules, shard)
+    mesh = mesh if mesh is not None else _default_mesh(modules)
     _validate_mesh(mesh, modules, offload_policy, shard)
 
     unit = FSDPUnit(
@@ -491,6 +512,7 @@ _CLASS_CACHE: dict[tuple, type] = {}
 def _install_managed_param(owner: nn.Module, name: str, fsdp_param: FSDPParam) -> None:
     """Register the sharded parameter under ``name`` and route reads through a property."""
     owner._parameters[name] = fsdp_param.sharded_param
+    fsdp_param.registrations.append((owner, name))
     if fsdp_param.owner is None:
         fsdp_param.owner = (owner, name)
     if "_fsdp_params" not in owner.__dict__:
@@ -544,17 +566,36 @@ def _swap_class(module: nn.Module, *, is_unit: bool) -> None:
     if new_cls is None:
         attrs = {name: _managed_param_property(name) for name in names}
         attrs["_fsdp_orig_class"] = orig
+        if names:
+            attrs["register_parameter"] = _register_parameter_adopting(orig)
         attrs["__module__"] = orig.__module__
         if is_unit:
             attrs["_forward_compiled"] = _own_code_copy(FSDPModule._forward_compiled, orig.__name__)
             runs_compiled = "_fsdp_compiled_forward" in module.__dict__
             bases = (FSDPModule, _CompiledModuleForward, orig) if runs_compiled else (FSDPModule, orig)
             new_cls = type(f"FSDP{orig.__name__}", bases, attrs)
+            new_cls._orig_cls_mro_index = new_cls.__mro__.index(orig)  # for torch's FSDPModule.__new__
         else:
             # Non-unit owners keep their name so that printing the model looks as before.
             new_cls = type(orig.__name__, (orig,), attrs)
         _CLASS_CACHE[key] = new_cls
     module.__class__ = new_cls
+
+
+def _register_parameter_adopting(orig: type):
+    """``register_parameter`` of a module holding managed parameters: a parameter assigned
+    to a managed name (``module.weight = nn.Parameter(...)``, ``load_state_dict(sd,
+    assign=True)``, both of which register through it) becomes the sharded parameter
+    (:meth:`FSDPParam.adopt`), as FSDP2's lazy init makes it; other names as before."""
+
+    def register_parameter(self, name: str, param) -> None:
+        fsdp_param = self.__dict__.get("_fsdp_params", {}).get(name)
+        if fsdp_param is None or param is None:
+            return orig.register_parameter(self, name, param)
+        if param is not fsdp_param.sharded_param:
+            fsdp_param.adopt(param)
+
+    return register_parameter
 
 
 def _own_code_copy(fn, suffix: str):
@@ -593,9 +634,12 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     entry nor the ``DTensor`` (see ``_fsdp_param``'s [Note: traced reads without the
     DTensor])."""
     fsdp_param = module._fsdp_params[name]
-    if fsdp_param.state is not ParamState.SHARDED:
+    state = fsdp_param.state
+    if state is ParamState.GATHERED or (state is ParamState.HELD and not forward_context.frames):
         # Gathered already. Checked before computing with the sharded DTensor, so a
         # checkpointed region (a subgraph under compile) takes only this plain tensor.
+        # (Held by unshard() and read in a sharded forward: gathered below, with autograd,
+        # from the held tensor.)
         return _local_if_swapped(fsdp_param.gathered, module._parameters[name])
     if mode is ExecutionMode.TRACED and forward_context.frames and fsdp_param.traced_read_needs_local_view_only:
         fsdp_param.follow_requires_grad_when_traced()

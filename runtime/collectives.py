@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_compile._compat import c10d_functional, fx_annotate, group_backend
+from fsdp_compile._compat import c10d_functional, fx_annotate, issue_c10d_collective
 from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.bucket_copies import pad_dim0
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
@@ -132,27 +132,41 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return pad_dim0(t, rows)
 
 
-def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    """``all_gather_into_tensor`` of ``shard`` (dim 0 first), issued, not waited on.
+def _runs_eagerly(t: torch.Tensor) -> bool:
+    """Whether a collective of ``t`` runs now rather than being traced: a plain tensor
+    outside Dynamo (AOTAutograd traces with fake and functional tensors)."""
+    return type(t) is torch.Tensor and execution_mode() is not ExecutionMode.TRACED
 
-    Run eagerly over a gloo group it goes out as ``all_gather_into_tensor_out`` into a
-    fresh buffer (the same bytes); traced code keeps the functional op. See [Note: gloo
-    all-gathers]."""
-    # [Note: gloo all-gathers] The functional op takes gloo's coalesced all-gather, whose
-    # worker threads race on the group's status record (``ProcessGroupGloo::runLoop``
-    # writes the finished work's name, a heap-allocated string for that op, without a
-    # lock): with two in flight on one group (our prefetch) a process died of heap
-    # corruption within a few thousand steps (torch 2.13 and 2.15). The ``_out`` op runs
-    # ``_allgather_base`` instead. Traced code cannot use it: Inductor lowers it as an
-    # in-place collective and may reuse its input buffer before the wait. Compiled graphs
-    # over gloo send it as an all-to-all (``config.gloo_all_to_all``, the default,
-    # ``fsdp_compile.passes.transport``); with that off they run gloo's coalesced
-    # all-gather (README, Limitations).
-    # A plain tensor outside Dynamo: not traced (AOTAutograd traces with fake/functional tensors).
-    if type(shard) is torch.Tensor and execution_mode() is not ExecutionMode.TRACED and group_backend(group_name) == "gloo":
+
+# [Note: eager collectives] Run eagerly, every collective goes out as FSDP2's do, through
+# ``torch.distributed`` (``_compat.issue_c10d_collective``): torch's ``CommDebugMode`` and
+# profiler then count FSDP2's ops, and gloo runs ``_allgather_base``, not the coalesced
+# all-gather the functional op takes, whose worker threads race on the group's status
+# record (heap corruption with two in flight on one group). Traced code keeps the
+# functional ops (compiled graphs over gloo send all-gathers as all-to-alls,
+# ``config.gloo_all_to_all``); the functional ``wait_tensor`` waits for both.
+def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """``all_gather_into_tensor`` of ``shard`` (dim 0 first), issued, not waited on (see
+    [Note: eager collectives])."""
+    if _runs_eagerly(shard):
         out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
-        return c10d_functional.all_gather_into_tensor_out(shard, world_size, group_name, out=out)
+        return issue_c10d_collective("all_gather", out, shard.contiguous(), group_name)
     return c10d_functional.all_gather_into_tensor(shard, world_size, group_name)
+
+
+def issue_reduce_scatter(full: torch.Tensor, reduce_op: str, world_size: int, group_name: str) -> torch.Tensor:
+    """``reduce_scatter_tensor`` of ``full`` (contiguous, dim 0 first), issued, not waited on."""
+    if _runs_eagerly(full):
+        out = full.new_empty((full.shape[0] // world_size, *full.shape[1:]))
+        return issue_c10d_collective("reduce_scatter", out, full, group_name, reduce_op)
+    return c10d_functional.reduce_scatter_tensor(full, reduce_op, world_size, group_name)
+
+
+def issue_all_reduce(t: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """``all_reduce`` of ``t`` (contiguous) into a new tensor, issued, not waited on."""
+    if _runs_eagerly(t):
+        return issue_c10d_collective("all_reduce", torch.empty_like(t), t, group_name, reduce_op)
+    return c10d_functional.all_reduce(t, reduce_op, group_name)
 
 
 def all_gather_as_bytes(inputs: list[torch.Tensor], world_size: int, group_name: str) -> list[torch.Tensor]:
@@ -171,17 +185,29 @@ def all_gather_as_bytes(inputs: list[torch.Tensor], world_size: int, group_name:
     return outputs
 
 
+#: 1-byte dtypes collectives move as they are; others of 1 byte (float8) go as ``uint8``
+#: (gloo has no float8), as FSDP2's all-gathers of mixed dtypes do.
+_MOVED_AS_THEY_ARE = (torch.uint8, torch.int8, torch.bool)
+
+
+def as_movable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its ``uint8`` view where it is of a 1-byte dtype that collectives may not
+    support (float8): gather that, then ``.view(t.dtype)`` the result."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype not in _MOVED_AS_THEY_ARE else t
+
+
 def _all_gather(local: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     padded = _pad_rows(local, layout.rows_per_rank) if layout.local_rows != layout.rows_per_rank else local.contiguous()
-    gathered = c10d_functional.wait_tensor(issue_all_gather(padded, layout.world_size, layout.group_name))
+    sent = as_movable(padded)
+    gathered = c10d_functional.wait_tensor(issue_all_gather(sent, layout.world_size, layout.group_name))
+    if sent is not padded:
+        gathered = gathered.view(padded.dtype)
     return gathered.narrow(0, 0, layout.dim0) if layout.padded_dim0 != layout.dim0 else gathered
 
 
 def _reduce_scatter(grad_full: torch.Tensor, layout: ShardLayout, reduce_op: str) -> torch.Tensor:
     padded = _pad_rows(grad_full, layout.padded_dim0) if layout.padded_dim0 != layout.dim0 else grad_full.contiguous()
-    shard = c10d_functional.wait_tensor(
-        c10d_functional.reduce_scatter_tensor(padded, reduce_op, layout.world_size, layout.group_name)
-    )
+    shard = c10d_functional.wait_tensor(issue_reduce_scatter(padded, reduce_op, layout.world_size, layout.group_name))
     return shard.narrow(0, 0, layout.local_rows) if layout.local_rows != layout.rows_per_rank else shard
 
 
@@ -221,13 +247,8 @@ class _GatherWithGradSync(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, local, pending, accumulator, spec: CollectiveSpec, kept, partial_pending=None, partial_accumulator=None):
+    def forward(local, pending, accumulator, spec: CollectiveSpec, kept, partial_pending=None, partial_accumulator=None):
         # (Dynamo traces this at every parameter read: kept short on purpose.)
-        ctx.spec, ctx.shard_dtype, ctx.sync = spec, local.dtype, accumulator is None
-        ctx.has_pending, ctx.has_partial_pending = pending is not None, partial_pending is not None
-        ctx.all_reduce = partial_accumulator is None
-        if pending is not None or partial_pending is not None:
-            ctx.save_for_backward(pending, partial_pending)
         if kept is not None:  # still gathered from the last forward (reshard_after_backward=False)
             return kept.view_as(kept)
         if spec.param_dtype is not None and spec.param_dtype != local.dtype:
@@ -235,6 +256,28 @@ class _GatherWithGradSync(torch.autograd.Function):
         elif spec.layout is None:
             return local.view_as(local)
         return local if spec.layout is None else _all_gather(local, spec.layout)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # (A ``setup_context`` of its own: ``torch.func`` transforms, ``jvp`` among them, need it.)
+        local, pending, accumulator, spec, kept, partial_pending, partial_accumulator = inputs
+        ctx.spec, ctx.shard_dtype, ctx.sync = spec, local.dtype, accumulator is None
+        ctx.has_pending, ctx.has_partial_pending = pending is not None, partial_pending is not None
+        ctx.all_reduce = partial_accumulator is None
+        ctx.kept = kept is not None
+        if pending is not None or partial_pending is not None:
+            ctx.save_for_backward(pending, partial_pending)
+
+    @staticmethod
+    def jvp(ctx, local_tangent, *_):
+        """Forward mode: the gather is linear, so the output's tangent is the gather of the
+        shard's (none for a parameter without one, or read from the kept tensor)."""
+        if local_tangent is None or ctx.kept:
+            return None
+        spec = ctx.spec
+        if spec.param_dtype is not None:
+            local_tangent = local_tangent.to(spec.param_dtype)
+        return local_tangent.clone() if spec.layout is None else _all_gather(local_tangent, spec.layout)
 
     @staticmethod
     def backward(ctx, grad):
@@ -252,7 +295,7 @@ class _GatherWithGradSync(torch.autograd.Function):
         if spec.reduce_group_names:
             with fx_annotate(spec.all_reduce_meta):
                 for group_name in spec.reduce_group_names:
-                    grad = c10d_functional.wait_tensor(c10d_functional.all_reduce(grad.contiguous(), spec.reduce_op, group_name))
+                    grad = c10d_functional.wait_tensor(issue_all_reduce(grad.contiguous(), spec.reduce_op, group_name))
         if grad.dtype != ctx.shard_dtype:
             with fx_annotate(spec.reduce_meta):
                 grad = grad.to(ctx.shard_dtype)

@@ -135,8 +135,9 @@ class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         from fsdp_compile._compat import c10d_functional as c10d
 
         name = getattr(func, "_overloadpacket", func)
-        if name in (c10d.all_gather_into_tensor, c10d.all_gather_into_tensor_out):
-            self.gathers.append((str(args[0].dtype).replace("torch.", ""), args[0].numel() * args[0].element_size()))
+        if name in (c10d.all_gather_into_tensor, torch.ops.c10d._allgather_base_):
+            sent = args[1] if name is torch.ops.c10d._allgather_base_ else args[0]  # (output, input, ...) there
+            self.gathers.append((str(sent.dtype).replace("torch.", ""), sent.numel() * sent.element_size()))
         elif name in (c10d.all_reduce, torch.ops.c10d.allreduce_):
             self.all_reduces += 1
         return func(*args, **(kwargs or {}))

@@ -594,6 +594,6 @@ def test_two_all_gathers_in_flight_on_gloo_survive(pool2):
     when two were in flight on one group: its worker threads write the finished work's
     name, a heap-allocated string, to the group's status record without a lock (torch
     2.13 and 2.15; a rank died within 2.5-8 thousand such pairs, and about once in five
-    runs of this suite). Ours go out as ``all_gather_into_tensor_out`` over gloo:
-    12,000 pairs, every result right, no rank lost."""
+    runs of this suite). Ours go out as FSDP2's, ``dist.all_gather_single`` (gloo's
+    ``_allgather_base``): 12,000 pairs, every result right, no rank lost."""
     assert pool2.run(all_gathers_in_flight_two_at_a_time, 12_000) == [True, True]

@@ -189,11 +189,11 @@ def _gradient_accumulation(kind: str, backend: str | None, name: str, micro_batc
 
 @contextlib.contextmanager
 def _count_all_gathers():
-    """Yields a function that returns how many functional all-gathers ran inside (eager
-    or compiled code)."""
+    """Yields a function that returns how many all-gathers ran inside (eager or compiled
+    code)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        # Eager runs over gloo issue the ``_out`` op (``runtime.collectives.issue_all_gather``).
-        ops = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
+        # Eager runs issue FSDP2's c10d op (``runtime.collectives.issue_all_gather``).
+        ops = ("_c10d_functional::all_gather_into_tensor", "c10d::_allgather_base_")
         yield lambda: sum(e.count for e in prof.key_averages() if e.key in ops)
 
 

@@ -109,6 +109,8 @@ def api_calls() -> dict:
         "custom_reduce_scatter": lambda: layer.set_custom_reduce_scatter(object()),
         "all_reduce_hook": lambda: layer.set_all_reduce_hook(lambda g: None),
         "max_input_buffers_0": lambda: layer.set_reduce_scatter_max_input_buffers(0),
+        "max_input_buffers_float": lambda: layer.set_reduce_scatter_max_input_buffers(2.5),
+        "max_input_buffers_bool": lambda: layer.set_reduce_scatter_max_input_buffers(True),
         "reset_on_a_block": layer.reset_iter_state,
         "manual_finalization_on_a_block": lambda: layer.set_manual_backward_finalization(True),
         "share_comm_ctx_unsharded": lambda: share_comm_ctx([model, nn.Linear(2, 2)]),
@@ -137,6 +139,14 @@ def hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) ->
 
     with config.patch(gloo_all_to_all=False, prefetch_depth=0):
         return _hsdp_accumulation(kind, backend, first_micro_batch)
+
+
+#: The functional collective's name of each c10d op eager code issues (as FSDP2's).
+_EAGER_COLLECTIVES = {
+    "c10d::_allgather_base_": "all_gather_into_tensor",
+    "c10d::_reduce_scatter_base_": "reduce_scatter_tensor",
+    "c10d::allreduce_": "all_reduce",
+}
 
 
 def _hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) -> dict:
@@ -170,8 +180,10 @@ def _hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) -
                 run(torch.randn(4, 10, generator=gen)).square().mean().backward()
             ran: dict = {}
             for e in prof.key_averages():
-                if e.key.startswith("_c10d_functional::") and "wait" not in e.key:
-                    name = e.key.split("::")[1].rstrip("_")  # Inductor may run the in-place all_reduce_
+                # Compiled code runs functional collectives (Inductor may run the in-place
+                # all_reduce_); eager code FSDP2's c10d ops.
+                name = _EAGER_COLLECTIVES.get(e.key) or (e.key.startswith("_c10d_functional::") and e.key.split("::")[1].rstrip("_"))
+                if name and "wait" not in name:
                     ran[name] = ran.get(name, 0) + e.count
             collectives.append(ran)
         opt.step()
@@ -278,6 +290,12 @@ def test_every_public_method_of_torchs_fsdp_module_exists():
     module_api = set(dir(nn.Module))
     missing = sorted(n for n in dir(TorchFSDPModule) if not n.startswith("_") and n not in module_api and not hasattr(FSDPModule, n))
     assert missing == []
+    # Ours subclasses torch's (other stacks' isinstance checks see our units), so each of
+    # torch's methods must be ours: one inherited from torch's reaches into FSDP2's state.
+    assert issubclass(FSDPModule, TorchFSDPModule)
+    inherited = sorted(n for n in vars(TorchFSDPModule) if callable(getattr(TorchFSDPModule, n)) and n not in {"__new__"}
+                       and getattr(FSDPModule, n) is getattr(TorchFSDPModule, n))
+    assert inherited == []
 
 
 def test_every_public_name_of_torchs_fsdp_package_that_applies_exists():
@@ -335,6 +353,7 @@ def test_fsdp2_hints_are_accepted_and_unsupported_methods_raise(pool2):
         kind, message = errors[name]
         assert kind == "NotImplementedError" and "FSDPLinear" in message, (name, message)
     assert errors["max_input_buffers_0"][0] == "ValueError"
+    assert errors["max_input_buffers_float"][0] == errors["max_input_buffers_bool"][0] == "TypeError"
     assert errors["share_comm_ctx_unsharded"][0] == "ValueError" and "Linear" in errors["share_comm_ctx_unsharded"][1]
     for name in ("reset_on_a_block", "manual_finalization_on_a_block"):
         kind, message = errors[name]
@@ -381,3 +400,128 @@ def test_dp_mesh_dims_raises_naming_the_unit_and_changes_nothing(pool2):
     kind, message, untouched = pool2.run(dp_mesh_dims_error)[0]
     assert kind == "NotImplementedError" and "fully_shard(MLPStack, dp_mesh_dims=...)" in message, message
     assert "mesh=mesh['dp']" in message and untouched
+
+
+def accumulation_collectives(kind: str, backend: str | None) -> dict:
+    """Collectives per micro-batch, counted by torch's ``CommDebugMode``, of two micro-batches
+    with ``set_requires_gradient_sync(False)`` then a synced one (3 blocks and a root that
+    owns parameters), and the parameters after the AdamW step."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing.models import MLPStack
+
+    reset_dynamo()
+    fully_shard = fully_shard_of(kind)
+    torch.manual_seed(0)
+    model = nn.Sequential(MLPStack(dim=8, n_layers=3, bias=True), nn.Linear(8, 2))
+    for layer in model[0].layers:
+        fully_shard(layer)
+    fully_shard(model)
+    run = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    counts = []
+    for _ in range(2):  # compiled: counted from the second step (the first compiles)
+        counts = []
+        for micro in range(3):
+            model.set_requires_gradient_sync(micro == 2)
+            # (An input that requires grad: the first block's backward then reads its
+            # weight, which FSDP2 re-gathers either way and we only when it is read.)
+            x = torch.randn(4, 8, generator=gen).requires_grad_()
+            if backend is None:
+                with CommDebugMode() as comm:
+                    run(x).square().mean().backward()
+                counts.append({str(op): n for op, n in comm.get_comm_counts().items()})
+            else:  # torch.compile runs nothing compiled under a dispatch mode: the profiler counts
+                with torch.profiler.profile() as prof:
+                    run(x).square().mean().backward()
+                functional = [e for e in prof.key_averages() if e.key.startswith("_c10d_functional::")]
+                counts.append(sum(e.count for e in functional if "wait" not in e.key))
+        opt.step()
+        opt.zero_grad()
+    return {"counts": counts, "params": full_parameters(model)}
+
+
+def test_gradient_accumulation_communicates_per_unit_as_fsdp2(pool2):
+    """Micro-batches without sync gather each unit with one all-gather and reduce nothing;
+    the synced one reduce-scatters each unit once, the accumulated gradients included: the
+    counts FSDP2's own test checks (``CommDebugMode``), eager, and FSDP2's parameters.
+    Compiled (counted by the profiler: ``torch.compile`` compiles nothing under a dispatch
+    mode such as ``CommDebugMode``), the same number of functional collectives after our
+    bucketing."""
+    fsdp2 = pool2.run(accumulation_collectives, "fsdp2", None)
+    eager = pool2.run(accumulation_collectives, "ours", None)
+    compiled = pool2.run(accumulation_collectives, "ours", "aot_eager_passes")
+    gather, reduce = "c10d._allgather_base_", "c10d._reduce_scatter_base_"
+    for rank in range(2):
+        # 4 units: 4 all-gathers in forward, 3 re-gathers in backward; 4 reduce-scatters when synced.
+        assert fsdp2[rank]["counts"] == [{gather: 7}, {gather: 7}, {gather: 7, reduce: 4}], fsdp2[rank]["counts"]
+        assert eager[rank]["counts"] == fsdp2[rank]["counts"], (eager[rank]["counts"], fsdp2[rank]["counts"])
+        assert compiled[rank]["counts"] == [7, 7, 11], compiled[rank]["counts"]
+        _close(eager[rank]["params"], fsdp2[rank]["params"], rtol=1e-6, atol=1e-7)
+        _close(compiled[rank]["params"], eager[rank]["params"], rtol=1e-6, atol=1e-7)
+
+
+class Float8Frozen(nn.Module):
+    """A frozen float8 weight (stored in float8, computed in fp32) in an fp32 unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.table = nn.Parameter(torch.randn(6, 4).to(torch.float8_e4m3fn), requires_grad=False)
+
+    def forward(self, x):
+        return self.proj(x) @ self.table.float()
+
+
+def train_float8_frozen(kind: str, backend: str | None) -> dict:
+    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing import full_parameters
+
+    reset_dynamo()
+    torch.manual_seed(0)
+    model = fully_shard_of(kind)(Float8Frozen())
+    run = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(STEPS):
+        run(torch.full((3, 4), float(step))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.float() for n, p in full_parameters(model).items()}
+
+
+def test_frozen_float8_parameters_gather_as_bytes_as_fsdp2(pool2):
+    """gloo has no float8 collectives: a float8 parameter's all-gather moves its bytes
+    (FSDP2's unit gathers move ``uint8`` when dtypes differ), eager and compiled."""
+    fsdp2 = pool2.run(train_float8_frozen, "fsdp2", None)
+    eager = pool2.run(train_float8_frozen, "ours", None)
+    compiled = pool2.run(train_float8_frozen, "ours", "aot_eager")
+    for rank in range(2):
+        _close(eager[rank], fsdp2[rank], rtol=0, atol=0)
+        _close(compiled[rank], eager[rank], rtol=0, atol=0)
+
+
+def jvp_then_backward(kind: str) -> dict:
+    """``torch.func.jvp`` through sharded modules (forward-mode derivative in the inputs, as
+    consistency and flow-matching models take it), then a backward through both outputs."""
+    from fsdp_compile.testing import full_tensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    fully_shard_of(kind)(model[0])
+    fully_shard_of(kind)(model)
+    x, direction = torch.randn(2, 4), torch.ones(2, 4)
+    out, tangent = torch.func.jvp(model, (x,), (direction,))
+    (out.square().sum() + tangent.sum()).backward()
+    return {"out": out.detach(), "tangent": tangent.detach(), "grads": [full_tensor(p.grad) for p in model.parameters()]}
+
+
+def test_jvp_through_sharded_modules_matches_fsdp2(pool2):
+    for got, expected in zip(pool2.run(jvp_then_backward, "ours"), pool2.run(jvp_then_backward, "fsdp2"), strict=True):
+        torch.testing.assert_close(got["out"], expected["out"], rtol=0, atol=0)
+        torch.testing.assert_close(got["tangent"], expected["tangent"], rtol=0, atol=0)
+        for g, e in zip(got["grads"], expected["grads"], strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)

@@ -376,12 +376,14 @@ def test_a_root_used_apart_is_bucketed_per_run_and_trains_the_same(pool2, name):
 
 
 def eager_collectives_per_step(name: str, **config_changes) -> dict:
-    """Functional collectives one eager step of ours issues: all-gathers in forward and
-    in backward, reduce-scatters in backward (under ``config.patch(**config_changes)``)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Collectives one eager step of ours issues, counted by torch's ``CommDebugMode`` as
+    FSDP2's tests count them: all-gathers in forward and in backward, reduce-scatters in
+    backward (under ``config.patch(**config_changes)``)."""
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from fsdp_compile import config
 
+    c10d = torch.ops.c10d
     model, units = build(name)
     # Units owning parameters of their own (a root may own none: the MLP's).
     inner = [{id(p) for p in unit.parameters()} for unit in units]
@@ -389,23 +391,18 @@ def eager_collectives_per_step(name: str, **config_changes) -> dict:
     _shard_model("ours", units)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     x, y = batch(name, 0)
-
-    def count(prof, op: str) -> int:
-        return sum(e.count for e in prof.key_averages() if e.key == f"_c10d_functional::{op}")
-
-    def all_gathers(prof) -> int:  # over gloo, into new buffers (``runtime.collectives.issue_all_gather``)
-        return count(prof, "all_gather_into_tensor") + count(prof, "all_gather_into_tensor_out")
-
-    with config.patch(**config_changes), profile(activities=[ProfilerActivity.CPU]) as fwd:
+    with config.patch(**config_changes), CommDebugMode() as fwd:
         loss = loss_fn(name, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
-    with config.patch(**config_changes), profile(activities=[ProfilerActivity.CPU]) as bwd:
+    with config.patch(**config_changes), CommDebugMode() as bwd:
         loss.backward()
-    return {
+    counts = {
         "units": owning,
-        "forward_all_gathers": all_gathers(fwd),
-        "backward_all_gathers": all_gathers(bwd),
-        "reduce_scatters": count(bwd, "reduce_scatter_tensor"),
+        "forward_all_gathers": fwd.get_comm_counts()[c10d._allgather_base_],
+        "backward_all_gathers": bwd.get_comm_counts()[c10d._allgather_base_],
+        "reduce_scatters": bwd.get_comm_counts()[c10d._reduce_scatter_base_],
     }
+    counts["others"] = fwd.get_total_counts() + bwd.get_total_counts() - sum(v for k, v in counts.items() if k != "units")
+    return counts
 
 
 @pytest.mark.parametrize("name", ["mlp", "llama"])
@@ -420,3 +417,4 @@ def test_eager_issues_one_collective_per_unit_like_fsdp2(pool2, name):
             assert counts["forward_all_gathers"] == units, (changes, counts)
             assert counts["backward_all_gathers"] == units - 1, (changes, counts)
             assert counts["reduce_scatters"] == units, (changes, counts)
+            assert counts["others"] == 0, (changes, counts)

@@ -289,7 +289,8 @@ def test_eager_forward_outside_compile(fake_pg):
 
 
 class _CollectiveLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts eager all-gathers and keeps weak references to their results."""
+    """Counts all-gathers (eager code's c10d op, or the functional one) and keeps weak
+    references to their results."""
 
     def __init__(self):
         super().__init__()
@@ -302,6 +303,10 @@ class _CollectiveLog(torch.utils._python_dispatch.TorchDispatchMode):
         if func is ALL_GATHER.default:
             self.gathers += 1
             self.groups.append((args[1], args[2]))
+        elif func is torch.ops.c10d._allgather_base_.default:  # eager code issues FSDP2's op
+            self.gathers += 1
+            group = torch.distributed.ProcessGroup.unbox(args[2])
+            self.groups.append((group.size(), group.group_name))
         if func is c10d_functional.wait_tensor.default:
             import weakref
 

@@ -7,6 +7,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_compile.runtime.collectives import as_movable
+
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A detached copy of the whole tensor (gathered if it is a DTensor; a collective then).
@@ -43,7 +45,7 @@ def _all_gathered_over_gloo(t: DTensor) -> torch.Tensor | None:
     padded = local.new_zeros((rows, *local.shape[1:]))
     padded[: local.shape[0]] = local
     out = local.new_empty((rows * size, *local.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    dist.all_gather_into_tensor(as_movable(out), as_movable(padded), group=group)  # (float8 as its bytes)
     return out[: t.shape[0]]
 
 

@@ -1,0 +1,182 @@
+"""``unshard()`` keeps autograd, and other stacks' ``isinstance(m, FSDPModule)`` checks see
+our units: the two defects that made torchtitan train silently wrong (its gradient-divide
+loop skipped our units; its chunked loss ran forward/backward on ``lm_head.unshard()``-ed
+parameters whose gradients were dropped). Each pattern is run against torch's FSDP2 on
+the same ranks and data, eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.models import fully_shard_of
+
+STEPS = 3
+CHUNKS = 2
+
+
+class TinyLM(nn.Module):
+    """An embedding, two blocks and a head that ``forward`` leaves to the loss: torchtitan's
+    layout in miniature (its chunked loss calls the head)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(2))
+        self.norm = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.norm(h)
+
+
+def _sharded_tiny_lm(kind: str) -> TinyLM:
+    fully_shard = fully_shard_of(kind)
+    torch.manual_seed(0)
+    model = TinyLM()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    return model
+
+
+def _chunked_loss(model: TinyLM, hidden: torch.Tensor, labels: torch.Tensor, head) -> torch.Tensor:
+    """torchtitan's chunked cross-entropy (``components/loss.py``): the head unsharded once,
+    no gradient sync but on the last chunk, one forward/backward per chunk into a detached
+    hidden state, whose accumulated gradient then flows through the trunk."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    lm_head = model.lm_head
+    fsdp_enabled = isinstance(lm_head, TorchFSDPModule)  # torchtitan's own check
+    assert fsdp_enabled
+    lm_head.set_reshard_after_forward(False)
+    lm_head.set_reshard_after_backward(False)
+    lm_head.set_requires_gradient_sync(False, recurse=False)
+    lm_head.unshard()
+    h_chunks = [c.detach().requires_grad_(True) for c in hidden.chunk(CHUNKS, dim=1)]
+    total, grads = hidden.new_zeros(()), []
+    for i, (h, y) in enumerate(zip(h_chunks, labels.chunk(CHUNKS, dim=1), strict=True)):
+        if i == len(h_chunks) - 1:
+            lm_head.set_requires_gradient_sync(True, recurse=False)
+        logits = head(h)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()) / CHUNKS
+        loss.backward()
+        total = total + loss.detach()
+        grads.append(h.grad)
+    lm_head.set_reshard_after_forward(True)
+    lm_head.set_reshard_after_backward(True)
+    lm_head.set_requires_gradient_sync(True, recurse=False)
+    lm_head.reshard()
+    hidden.backward(torch.cat(grads, dim=1))
+    return total
+
+
+def train_chunked_loss(kind: str, backend: str | None) -> dict:
+    """AdamW steps of :class:`TinyLM` with torchtitan's chunked loss and its
+    ``set_gradient_divide_factor(1.0)`` loop (run over ``isinstance`` of torch's
+    ``FSDPModule``); ``backend``: the trunk and the head each compiled."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing import full_parameters
+
+    reset_dynamo()
+    model = _sharded_tiny_lm(kind)
+    seen = [name for name, m in model.named_modules() if isinstance(m, TorchFSDPModule)]
+    for m in model.modules():
+        if isinstance(m, TorchFSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (FSDP2's reduction otherwise)
+    trunk = torch.compile(model, backend=backend) if backend else model
+    head = torch.compile(model.lm_head, backend=backend) if backend else model.lm_head
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses, head_grads = [], []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 16, (2, 6), generator=gen)
+        losses.append(_chunked_loss(model, trunk(tokens), torch.roll(tokens, -1, 1), head).item())
+        head_grads.append(None if model.lm_head.weight.grad is None else model.lm_head.weight.grad.full_tensor())
+        opt.step()
+        opt.zero_grad()
+    return {"seen": seen, "losses": losses, "head_grads": head_grads, "params": full_parameters(model)}
+
+
+def train_unshard_before_forward(kind: str, backend: str | None, async_op: bool) -> dict:
+    """1F1B's order (``torch.distributed.pipelining``): ``unshard(async_op=...)`` on every
+    unit, wait, then two micro-batches' forward and backward on the held parameters, then
+    ``reshard()``; AdamW steps after each."""
+    import torch.distributed as dist
+
+    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing import full_parameters
+
+    reset_dynamo()
+    model = _sharded_tiny_lm(kind)
+    units = [m for m in model.modules() if hasattr(m, "unshard")]
+    run = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        handles = [u.unshard(async_op=async_op) for u in units]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        for _ in range(2):
+            run(torch.randint(0, 16, (2, 6), generator=gen)).square().mean().backward()
+        for u in units:
+            u.reshard()
+        opt.step()
+        opt.zero_grad()
+    return full_parameters(model)
+
+
+def _assert_params_close(a: dict, b: dict, **tol) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=lambda m, name=name: f"{name}: {m}", **tol)
+
+
+def test_torchtitans_chunked_loss_trains_as_with_fsdp2(pool2):
+    """The head trains (its gradient is FSDP2's, not ``None``), every unit takes the
+    divide factor, and the parameters after 3 steps are FSDP2's; compiled (aot_eager)
+    bitwise ours eager."""
+    fsdp2 = pool2.run(train_chunked_loss, "fsdp2", None)
+    eager = pool2.run(train_chunked_loss, "ours", None)
+    compiled = pool2.run(train_chunked_loss, "ours", "aot_eager")
+    for rank in range(2):
+        assert eager[rank]["seen"] == fsdp2[rank]["seen"] == ["", "layers.0", "layers.1", "lm_head"]
+        for ours_grad, ref_grad in zip(eager[rank]["head_grads"], fsdp2[rank]["head_grads"], strict=True):
+            assert ours_grad is not None and ref_grad is not None
+            torch.testing.assert_close(ours_grad, ref_grad, rtol=1e-6, atol=1e-7)
+        assert eager[rank]["losses"] == pytest.approx(fsdp2[rank]["losses"], rel=1e-6)
+        _assert_params_close(eager[rank]["params"], fsdp2[rank]["params"], rtol=1e-6, atol=1e-7)
+        _assert_params_close(compiled[rank]["params"], eager[rank]["params"], rtol=0, atol=0)
+        assert compiled[rank]["losses"] == eager[rank]["losses"]
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_forward_on_unsharded_parameters_reduces_their_gradients_as_fsdp2(pool2, async_op):
+    fsdp2 = pool2.run(train_unshard_before_forward, "fsdp2", None, async_op)
+    eager = pool2.run(train_unshard_before_forward, "ours", None, async_op)
+    for rank in range(2):
+        _assert_params_close(eager[rank], fsdp2[rank], rtol=1e-6, atol=1e-7)
+    if async_op:  # compiled once is enough: the two differ only in the handle
+        compiled = pool2.run(train_unshard_before_forward, "ours", "aot_eager", async_op)
+        for rank in range(2):
+            _assert_params_close(compiled[rank], eager[rank], rtol=0, atol=0)
+
+
+def test_our_units_are_torchs_fsdp_modules_and_refuse_its_internals():
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from fsdp_compile import FSDPModule
+
+    assert issubclass(FSDPModule, TorchFSDPModule)
+    with pytest.raises(RuntimeError, match="no FSDP2 internal state"):
+        FSDPModule._get_fsdp_state(nn.Linear(2, 2))
