@@ -263,10 +263,6 @@ def run_setup(name: str, cfg: dict, tokens, device, steps: int, foreach: bool | 
             fully_shard(layer)
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)  # None: AdamW's default (foreach on CUDA)
-    if impl == "ours":
-        from fsdp_compile import step_on_local_shards
-
-        step_on_local_shards(opt)  # our optimizer path: the update on local shards, no DTensor dispatch
     step_fn = torch.compile(model, mode=mode) if compiled else model
     cudagraphs = mode == "reduce-overhead"
     if device.type == "cuda":

@@ -12,8 +12,8 @@ against a compute-only run of the same setups on one rank.
 
 A Llama-style model (tied embeddings; ``--model hf-llama``: a ``transformers``
 ``LlamaForCausalLM`` of the same shapes, see ``benchmarks/_models.py``), one unit per
-decoder layer plus the root, AdamW (ours: with ``fsdp_compile.step_on_local_shards``, the
-same update on the local shards without ``DTensor`` dispatch), fp32. Six setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
+decoder layer plus the root, a plain ``torch.optim.AdamW`` (ours steps it on the local shards without
+``DTensor`` dispatch by default, ``config.local_shard_optimizer_step``), fp32. Six setups: torch FSDP2 eager, FSDP2 + ``torch.compile``, ours eager,
 ours eager without its overlap (``config.patch(eager_overlap=False)``), ours compiled with our passes off (``config.patch(bucketing=False, reorder=False)``)
 and ours compiled; each reshards the decoder layers after forward (FSDP2's default:
 ``reshard_after_forward=True`` for the layers, the root keeps its parameters).
@@ -256,7 +256,7 @@ def measure(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from fsdp_compile import config, step_on_local_shards
+    from fsdp_compile import config
     from fsdp_compile import fully_shard as ours_fully_shard
 
     # Each setup compiles its own model instance; Dynamo sees another instance of the
@@ -309,9 +309,9 @@ def measure(
         if compiled != "blocks":
             stats = {"graphs": 0, "calls": 0}
         run_fn = torch.compile(model, backend=counting_inductor(stats)) if compiled is True else model
+        # The user's plain recipe; ours steps it on the local shards by default from its
+        # second step (config.local_shard_optimizer_step).
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if kind == "ours":
-            step_on_local_shards(opt)  # our optimizer path: the update on local shards, no DTensor dispatch
         built[key] = (run_fn, opt, changes, stats, inductor_changes)
     n_params = sum(p.numel() for p in _models.build(model_spec).parameters())
 

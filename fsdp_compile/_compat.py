@@ -175,10 +175,6 @@ class _AliasOfLocalTensor(torch.autograd.Function):
         _, ctx.on_backward, ctx.spec = inputs
 
     @staticmethod
-    def jvp(ctx, dtensor_tangent, *_):
-        return None if dtensor_tangent is None else dtensor_tangent._local_tensor
-
-    @staticmethod
     def backward(ctx, grad):
         if ctx.on_backward is not None:
             ctx.on_backward()
@@ -204,6 +200,19 @@ def functorch_transforms_active() -> bool:
     """torch/_C: whether a ``torch.func`` transform (``jvp``, ``vmap``, ``grad``) is running
     (then every autograd ``Function`` called needs a ``setup_context``)."""
     return torch._C._are_functorch_transforms_active()
+
+
+def set_composable_state(module, api, state) -> None:
+    """torch/distributed/_composable/contract.py: make ``api.state(module)`` return ``state``
+    for ``api``, a ``@contract`` composable API such as torch's ``fully_shard`` (its state is
+    kept in ``module.__dict__`` under ``STATE_KEY``, keyed by the undecorated function,
+    which ``api.state`` closes over)."""
+    import inspect
+
+    from torch.distributed._composable.contract import STATE_KEY
+
+    func = inspect.getclosurevars(api.state).nonlocals["func"]
+    module.__dict__.setdefault(STATE_KEY, {})[func] = state
 
 
 def is_functorch_wrapper(t: torch.Tensor) -> bool:

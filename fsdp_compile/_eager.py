@@ -46,6 +46,7 @@ from fsdp_compile._eager_buckets import (
     issue_bucket_gather,
     regather_key,
     shard_versions,
+    still_gathered,
 )
 from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
 from fsdp_compile._execution_mode import ExecutionMode
@@ -130,13 +131,25 @@ def gather_unit(unit: FSDPUnit) -> None:
 
 
 def _to_gather(unit: FSDPUnit) -> list[FSDPParam]:
-    """The parameters of ``unit`` a forward gathers now (sharded, registered)."""
-    return [p for p in unit.params if p.state is ParamState.SHARDED and p.owner is not None]
+    """The parameters of ``unit`` a forward gathers now: sharded and registered, or held by
+    ``unshard()`` and read with autograd (gathered from the held tensor, so that their
+    gradients are reduced per bucket)."""
+    return [
+        p
+        for p in unit.params
+        if p.owner is not None
+        and (
+            p.state is ParamState.SHARDED or (p.state is ParamState.HELD and p.held_raw is not None and p.held_read_needs_grad())
+        )
+    ]
 
 
 def _prefetchable_buckets(unit: FSDPUnit) -> list[list[FSDPParam]]:
-    """The buckets of ``unit`` that can be gathered with one all-gather each, now."""
-    return [bucket for key, bucket in _buckets(_to_gather(unit), bucket_key) if key is not None]
+    """The buckets of ``unit`` that can be gathered with one all-gather each, now (not
+    those still gathered)."""
+    return [
+        bucket for key, bucket in _buckets(_to_gather(unit), bucket_key) if key is not None and still_gathered(bucket[0]) is None
+    ]
 
 
 @dataclass(eq=False)

@@ -35,7 +35,7 @@ def bucket_key(fsdp_param: FSDPParam) -> tuple | None:
     the accumulators), and the synced one reduce-scatters the unit at once, accumulated
     gradients included."""
     unit = fsdp_param.unit
-    if fsdp_param.extension or fsdp_param.kept is not None:
+    if fsdp_param.extension:
         return None  # (an extension parameter's own hooks decide what its all-gather moves)
     accumulator, partial = fsdp_param._grad_accumulator, fsdp_param._partial_accumulator
     if not unit.requires_gradient_sync and accumulator is None and fsdp_param.sharded_param.requires_grad:
@@ -43,7 +43,13 @@ def bucket_key(fsdp_param: FSDPParam) -> tuple | None:
     if partial is not None and (not unit.requires_all_reduce or partial.grad is not None):
         return None
     key = regather_key(fsdp_param)
-    return None if key is None else (*key, unit.requires_gradient_sync)
+    return None if key is None else (*key, unit.requires_gradient_sync, still_gathered(fsdp_param) is not None)
+
+
+def still_gathered(fsdp_param: FSDPParam) -> torch.Tensor | None:
+    """The full tensor (dim 0 first) a forward reads instead of gathering: held by
+    ``unshard()``, or kept since the last forward (``set_reshard_after_backward(False)``)."""
+    return fsdp_param.held_raw if fsdp_param.held_raw is not None else fsdp_param.kept
 
 
 def regather_key(fsdp_param: FSDPParam) -> tuple | None:
@@ -65,18 +71,28 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
     specs = [p.spec for p in fsdp_params]
     pendings = [None if p._grad_accumulator is None else p._grad_accumulator.grad for p in fsdp_params]
+    kept = [still_gathered(p) for p in fsdp_params]
+    kept = None if kept[0] is None else kept
     with fx_annotate(first.spec.tag.as_meta()):
         if not first.unit.requires_gradient_sync and shards[0].requires_grad and torch.is_grad_enabled():
             accumulators = [p._grad_accumulator for p in fsdp_params]
-            fulls = gather_bucket_with_grad_sync([s.detach() for s in shards], specs, in_flight, accumulators=accumulators)
+            fulls = gather_bucket_with_grad_sync(
+                [s.detach() for s in shards], specs, in_flight, accumulators=accumulators, kept=kept
+            )
         elif defers_reduction(shards):
             deliver = first.unit.eager.reductions.deliverer(shards)
             fulls = gather_bucket_with_grad_sync(
-                [s.detach() for s in shards], specs, in_flight, deliver, first.unit.reduce_scatter_unused_params, pendings
+                [s.detach() for s in shards],
+                specs,
+                in_flight,
+                deliver,
+                first.unit.reduce_scatter_unused_params,
+                pendings,
+                kept=kept,
             )
         else:
             fulls = gather_bucket_with_grad_sync(
-                shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params, pendings=pendings
+                shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params, pendings=pendings, kept=kept
             )
     for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
         fsdp_param._note_gathered(full)

@@ -137,6 +137,9 @@ def _all_reduce_bucket(shards: list[torch.Tensor], reduce_op: str, group_name: s
     return [part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in shards]), shards, strict=True)]
 
 
+#: How many arguments of :class:`_GatherBucketWithGradSync` come before its tensors.
+_OPTIONS = 7
+
 #: The one input that makes a deferred bucket's outputs require grad: its shards go in
 #: detached (their gradients reach the parameters later, see ``deliver``).
 _GRAD_ANCHOR = torch.empty(0, requires_grad=True)
@@ -167,8 +170,11 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
         reduce_unused: bool,
         pendings: tuple[torch.Tensor | None, ...] | None,
         n_accumulators: int,
+        kept: tuple[torch.Tensor, ...] | None,
         *tensors,
     ):
+        if kept is not None:  # still gathered (reshard_after_backward=False, unshard()): no all-gather
+            return tuple(k.view_as(k) for k in kept)
         shards = tensors[1 if deliver is not None else 0 : len(tensors) - n_accumulators]
         if in_flight is None:
             in_flight = issue_all_gather_bucket(list(shards), [spec.layout for spec in specs], specs[0].param_dtype)
@@ -177,7 +183,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         # (A ``setup_context`` of its own: ``torch.func`` transforms, ``jvp`` among them, need it.)
-        specs, _, deliver, reduce_unused, pendings, n_accumulators, *tensors = inputs
+        specs, _, deliver, reduce_unused, pendings, n_accumulators, _, *tensors = inputs
         shards = tensors[1 if deliver is not None else 0 : len(tensors) - n_accumulators]
         ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
         ctx.reduce_unused, ctx.device = reduce_unused, shards[0].device
@@ -189,7 +195,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     def jvp(ctx, *tangents):
         """Forward mode: the gather is linear; the outputs' tangents are the gathers of the
         shards' (none where the shards have none, as parameters do)."""
-        shard_tangents = tangents[6 + ctx.first_shard : 6 + ctx.first_shard + len(ctx.shard_dtypes)]
+        shard_tangents = tangents[_OPTIONS + ctx.first_shard : _OPTIONS + ctx.first_shard + len(ctx.shard_dtypes)]
         if all(t is None for t in shard_tangents):
             return (None,) * len(ctx.shard_dtypes)
         layouts = [spec.layout for spec in ctx.specs]
@@ -204,7 +210,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
         specs, first = ctx.specs, ctx.specs[0]
         if ctx.accumulates:  # gradient sync off: into the accumulators, nothing reduced
             to_accumulators = [None if g is None else g.to(d) for g, d in zip(grads, ctx.shard_dtypes, strict=True)]
-            return (None,) * (6 + len(grads)) + tuple(to_accumulators)
+            return (None,) * (_OPTIONS + len(grads)) + tuple(to_accumulators)
         if ctx.pendings is not None:
             grads = tuple(
                 g if pending is None else pending if g is None else g.to(pending.dtype) + pending
@@ -217,7 +223,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
             )
         members = [i for i, g in enumerate(grads) if g is not None]
         if not members:  # every output reached backward without a gradient: nothing to reduce
-            return (None,) * (6 + ctx.n_tensors)
+            return (None,) * (_OPTIONS + ctx.n_tensors)
         with fx_annotate(first.reduce_meta):
 
             def issue() -> ReduceScatterInFlight:
@@ -227,9 +233,9 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
 
             if ctx.deliver is not None:
                 ctx.deliver(issue, members)
-                return (None,) * (6 + ctx.n_tensors)
+                return (None,) * (_OPTIONS + ctx.n_tensors)
             reduced = dict(zip(members, issue().wait(), strict=True))
-            return (None,) * 6 + tuple(reduced.get(i) for i in range(len(grads)))
+            return (None,) * _OPTIONS + tuple(reduced.get(i) for i in range(len(grads)))
 
 
 def gather_bucket_with_grad_sync(
@@ -240,6 +246,7 @@ def gather_bucket_with_grad_sync(
     reduce_unused: bool = False,
     pendings: list[torch.Tensor | None] | None = None,
     accumulators: list[torch.Tensor] | None = None,
+    kept: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The full tensors (dim 0 first) of ``shards``, whose specs share one
     :func:`bucket_key`, with one all-gather; their gradients are reduced back with
@@ -254,12 +261,15 @@ def gather_bucket_with_grad_sync(
     Gradient accumulation: ``pendings`` (one per member, or ``None``) are the unsharded
     gradients earlier micro-batches accumulated without sync, added before this
     reduction; with ``accumulators`` (one leaf per member, gradient sync off) the
-    gradients go to their ``.grad`` and nothing is reduced."""
+    gradients go to their ``.grad`` and nothing is reduced. ``kept``: the members' full
+    tensors still gathered (dim 0 first), returned instead of gathering, with the same
+    backward."""
     tensors = (_GRAD_ANCHOR, *shards) if deliver is not None else tuple(shards)
     accumulators = tuple(accumulators or ())
+    kept = None if kept is None else tuple(kept)
     pendings = tuple(pendings) if pendings is not None and any(p is not None for p in pendings) else None
     return list(
         _GatherBucketWithGradSync.apply(
-            tuple(specs), in_flight, deliver, reduce_unused, pendings, len(accumulators), *tensors, *accumulators
+            tuple(specs), in_flight, deliver, reduce_unused, pendings, len(accumulators), kept, *tensors, *accumulators
         )
     )

@@ -31,6 +31,7 @@ from fsdp_compile._compat import (
 )
 from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
+from fsdp_compile._local_shard_optimizer import SHARDED_PARAM_ATTRIBUTE
 from fsdp_compile._low_precision import (
     gather_extension_with_grad,
     has_all_gather_extension,
@@ -145,6 +146,7 @@ class FSDPParam:
         for key, value in vars(param).items():
             if not key.startswith("_fsdp"):
                 setattr(self.sharded_param, key, value)
+        setattr(self.sharded_param, SHARDED_PARAM_ATTRIBUTE, True)  # (the default optimizer step's)
         route_forward_hooks_to_local_shard(self.sharded_param, local_fqn)
         self._follow_requires_grad, self.follow_requires_grad_when_traced = _requires_grad_followers(self)
         self.local_view: torch.Tensor  # see [Note: plain graph inputs]
@@ -309,7 +311,7 @@ class FSDPParam:
         Dynamo sees it come from the module's ``_parameters`` and lifts it as a
         graph input with a stable source.
         """
-        if self.state is ParamState.GATHERED or (self.state is ParamState.HELD and not self._held_read_needs_grad()):
+        if self.state is ParamState.GATHERED or (self.state is ParamState.HELD and not self.held_read_needs_grad()):
             return self.gathered
         # (Traced at every parameter read: each call below is one more function Dynamo
         # inlines, so the compiled path skips what cannot apply there.)
@@ -332,10 +334,13 @@ class FSDPParam:
         if isinstance(naming, int):
             key = _spec_key_as_root(self, naming)
         kept = self.kept if self.held_raw is None else self.held_raw
-        full = gather_with_grad_sync(local, spec, pending, accumulator, kept, partial_pending, partial_accumulator, key=key)
+        direct = not traced and functorch_transforms_active()
+        full = gather_with_grad_sync(
+            local, spec, pending, accumulator, kept, partial_pending, partial_accumulator, key=key, direct=direct
+        )
         return self._note_gathered(full)
 
-    def _held_read_needs_grad(self) -> bool:
+    def held_read_needs_grad(self) -> bool:
         """Whether a sharded forward's read of the held tensor needs autograd (FSDP2's
         unsharded parameters are leaves whose gradients are reduced after backward)."""
         return torch.is_grad_enabled() and self.sharded_param.requires_grad

@@ -56,7 +56,9 @@ from fsdp_compile._fsdp_state import (
     compute_device,
     forward_context,
 )
+from fsdp_compile._local_shard_optimizer import install_default_local_step
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
+from fsdp_compile._pipelining import register_pipelining_view
 from fsdp_compile.passes.registration import install_passes
 from fsdp_compile.runtime.process_groups import DataParallelMesh
 
@@ -434,6 +436,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
     # Our passes join torch.compile's pipeline when the first module is sharded, not at import;
     # again at every call: torch._dynamo.reset() forgets part of it (see install_passes).
     install_passes()
+    install_default_local_step()
     modules = _as_module_list(module)
     _reject_unsupported_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     for m in modules:
@@ -488,6 +491,7 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
             m.__dict__["_fsdp_compiled_forward"] = m.__dict__.pop("forward")
         _swap_class(m, is_unit=True)
         m._fsdp_unit = unit
+        register_pipelining_view(m, unit)  # torch.distributed.pipelining's fully_shard.state(m)
         _adopt_nested_units(m, unit)
     return module
 

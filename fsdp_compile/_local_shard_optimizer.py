@@ -23,6 +23,14 @@ those of the ``DTensor`` step: the same ops on the same local tensors.
 Only optimizers whose update is elementwise per parameter are accepted (a norm, a
 row/column statistic or an orthogonalization of a sharded tensor needs the whole
 tensor): see :data:`ELEMENTWISE_OPTIMIZERS`.
+
+It is the default for the optimizers users build on our parameters: the first
+``fully_shard`` registers one global optimizer step pre-hook (:func:`install_default_local_step`)
+that, at an optimizer's first step, applies :func:`step_on_local_shards` to it if it is
+of one of those classes and steps a parameter of ours (``config.local_shard_optimizer_step``,
+read then). That first step runs on the ``DTensor``s (a pre-hook could not undo its swap
+if the step raised); every later one on the local tensors. Other optimizers, FSDP2's
+parameters' among them, are left alone.
 """
 
 from __future__ import annotations
@@ -47,6 +55,34 @@ new value depends only on the same element of the parameter, its gradient and it
 plus scalars), so that it gives the same result on each shard as on the whole tensor."""
 
 _LOCAL_STEP_ATTRIBUTE = "_fsdp_compile_steps_on_local_shards"
+#: Set on the optimizer by the default hook once it has decided for it.
+_DECIDED_ATTRIBUTE = "_fsdp_compile_local_step_decided"
+#: Set on every sharded parameter ``fully_shard`` registers.
+SHARDED_PARAM_ATTRIBUTE = "_fsdp_compile_sharded_param"
+_default_hook = None
+
+
+def install_default_local_step() -> None:
+    """Register (once, at the first ``fully_shard``, never at import) the global optimizer
+    step pre-hook that makes elementwise optimizers of our parameters step on local shards
+    from their second step on (see the module docstring)."""
+    global _default_hook
+    if _default_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _default_hook = register_optimizer_step_pre_hook(_decide_local_step)
+
+
+def _decide_local_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer.__dict__.get(_DECIDED_ATTRIBUTE):
+        return None
+    optimizer.__dict__[_DECIDED_ATTRIBUTE] = True
+    from fsdp_compile import config
+
+    ours = any(getattr(p, SHARDED_PARAM_ATTRIBUTE, False) for g in optimizer.param_groups for p in g["params"])
+    if config.local_shard_optimizer_step and ours and type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+        step_on_local_shards(optimizer)
+    return None
 
 
 def step_on_local_shards(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -92,6 +92,12 @@ hardware_profile: str = "cpu-gloo"
 #: Cost model: the value of a symbolic size (dynamic shapes) that has no hint.
 symbolic_size_hint: int = 1024
 
+#: Optimizers: an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...) of our
+#: parameters steps on their local tensors from its second step on, bitwise the same
+#: update without ``DTensor`` dispatch (``fsdp_compile.step_on_local_shards``, applied at
+#: its first step). Read at each optimizer's first step. Off: every step on ``DTensor``s.
+local_shard_optimizer_step: bool = True
+
 #: Seconds a rank waits for its peers in the first-run collective check before it
 #: raises alone (a rank running a graph its peers never run).
 consistency_timeout_s: float = 120.0
@@ -112,6 +118,7 @@ _FIELDS = (
     "hardware_profile",
     "symbolic_size_hint",
     "consistency_timeout_s",
+    "local_shard_optimizer_step",
 )
 _BUCKET_MODES = ("unit", "cap", "auto")
 

@@ -259,25 +259,14 @@ class _GatherWithGradSync(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        # (A ``setup_context`` of its own: ``torch.func`` transforms, ``jvp`` among them, need it.)
+        # (A ``setup_context`` of its own: ``torch.func`` transforms need it. No ``jvp``:
+        # Dynamo cannot trace a Function that defines one, and a parameter has no tangent.)
         local, pending, accumulator, spec, kept, partial_pending, partial_accumulator = inputs
         ctx.spec, ctx.shard_dtype, ctx.sync = spec, local.dtype, accumulator is None
         ctx.has_pending, ctx.has_partial_pending = pending is not None, partial_pending is not None
         ctx.all_reduce = partial_accumulator is None
-        ctx.kept = kept is not None
         if pending is not None or partial_pending is not None:
             ctx.save_for_backward(pending, partial_pending)
-
-    @staticmethod
-    def jvp(ctx, local_tangent, *_):
-        """Forward mode: the gather is linear, so the output's tangent is the gather of the
-        shard's (none for a parameter without one, or read from the kept tensor)."""
-        if local_tangent is None or ctx.kept:
-            return None
-        spec = ctx.spec
-        if spec.param_dtype is not None:
-            local_tangent = local_tangent.to(spec.param_dtype)
-        return local_tangent.clone() if spec.layout is None else _all_gather(local_tangent, spec.layout)
 
     @staticmethod
     def backward(ctx, grad):
@@ -324,6 +313,7 @@ def gather_with_grad_sync(
     partial_pending: torch.Tensor | None = None,
     partial_accumulator: torch.Tensor | None = None,
     key: str | None = None,
+    direct: bool = False,
 ) -> torch.Tensor:
     """The full tensor from this rank's shard ``local`` (unpadded,
     ``spec.layout.local_shape``; the whole tensor when ``spec.layout`` is ``None``);
@@ -344,8 +334,11 @@ def gather_with_grad_sync(
 
     ``key``: the :attr:`CollectiveSpec.key` of a spec equal to ``spec`` but for its tag's
     names, to trace the gather under (a sharded parameter not kept gathered).
+
+    ``direct``: call the autograd function itself, not through :data:`gather_op` (eager code
+    under a ``torch.func`` transform, which cannot run a Function inside an op's kernel).
     """
-    if kept is None and spec.layout is not None:
+    if kept is None and spec.layout is not None and not direct:
         # the common case: see gather_op
         return gather_op(local, pending, accumulator, key or spec.key, partial_pending, partial_accumulator)
     if spec.local_only and kept is None and pending is accumulator is partial_pending is partial_accumulator is None:

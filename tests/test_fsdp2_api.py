@@ -525,3 +525,43 @@ def test_jvp_through_sharded_modules_matches_fsdp2(pool2):
         torch.testing.assert_close(got["tangent"], expected["tangent"], rtol=0, atol=0)
         for g, e in zip(got["grads"], expected["grads"], strict=True):
             torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+
+
+def pipelining_micro_batches(kind: str) -> dict:
+    """What a ``torch.distributed.pipelining`` schedule does to its stage's sharded module:
+    each micro-batch's backward with sync off (``backward_maybe_with_nosync``), then its
+    ``REDUCE_GRAD`` action (``perform_reduce_grad``, torch's own code, run on a stand-in
+    stage), then an AdamW step; the parameters after 2 steps."""
+    import types
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing.models import MLPStack
+
+    torch.manual_seed(0)
+    model = MLPStack(dim=8, n_layers=3, bias=True)
+    for layer in model.layers:
+        fully_shard_of(kind)(layer)
+    fully_shard_of(kind)(model)
+    stage = types.SimpleNamespace(submod=model, scale_grads=lambda factor: None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    for _ in range(2):
+        for _ in range(3):
+            model.set_is_last_backward(False)
+            model.set_reshard_after_backward(False)
+            model.set_requires_gradient_sync(False)
+            model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        _PipelineStageBase.perform_reduce_grad(stage, 1)
+        opt.step()
+        opt.zero_grad()
+    return full_parameters(model)
+
+
+def test_pipelinings_gradient_reduction_step_reduces_our_accumulated_gradients(pool2):
+    """torch's pipelining reaches into FSDP2's state at its gradient-reduction step
+    (``fully_shard.state(stage)._state_ctx.all_states``, each group's ``post_backward()``):
+    our units answer it, reducing what the micro-batches accumulated, as FSDP2's."""
+    for got, expected in zip(pool2.run(pipelining_micro_batches, "ours"), pool2.run(pipelining_micro_batches, "fsdp2"), strict=True):
+        _close(got, expected, rtol=1e-6, atol=1e-7)

@@ -202,3 +202,41 @@ def test_groups_that_cannot_step_locally_step_on_the_dtensors(fake_pg):
             for key, value in ref_opt.state[ref_p].items():
                 assert type(opt.state[p][key]) is type(value)
                 assert torch.equal(local_of(opt.state[p][key]), local_of(value))
+
+
+def default_local_step(kind: str) -> dict:
+    """A plain ``torch.optim.AdamW`` over the Llama sharded by ``kind``, 3 steps, with the
+    default (``config.local_shard_optimizer_step``) and with it off: whether the steps after
+    the first ran on local shards, and the parameter shards of each run."""
+    from fsdp_compile import config
+    from fsdp_compile._local_shard_optimizer import _StepOnLocalShards
+
+    out = {}
+    for default in (True, False):
+        model, units = build("llama")
+        shard_blocks(model, fully_shard_of(kind), blocks=units[:-1])
+        with config.patch(local_shard_optimizer_step=default):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(3):
+                x, y = batch("llama", step)
+                loss_fn("llama", model(_local(x)), _local(y)).backward()
+                opt.step()
+                opt.zero_grad()
+        out[default] = {
+            "local": isinstance(opt.step, _StepOnLocalShards),
+            "params": {n: p._local_tensor.clone() for n, p in model.named_parameters()},
+            "state_is_dtensor": all(isinstance(v, DTensor) for s in opt.state.values() for k, v in s.items() if k != "step"),
+        }
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ours", "fsdp2"])
+def test_a_plain_optimizer_of_our_parameters_steps_on_local_shards_by_default(pool2, kind):
+    """The user's plain recipe gets the fast step: from its second step, an elementwise
+    optimizer of our parameters runs on local tensors (bitwise the DTensor step, state
+    kept as DTensors); with the option off, and for FSDP2's parameters, it is left alone."""
+    for result in pool2.run(default_local_step, kind):
+        assert result[True]["local"] is (kind == "ours") and result[False]["local"] is False
+        assert result[True]["state_is_dtensor"] and result[False]["state_is_dtensor"]
+        for name, value in result[False]["params"].items():
+            assert torch.equal(result[True]["params"][name], value), name
