@@ -4,7 +4,7 @@ How a parameter read becomes an all-gather: every module that directly holds a
 managed parameter gets its class swapped to a subclass with one ``property``
 per managed name. Outside a sharded forward the property returns the
 registered sharded ``nn.Parameter(DTensor)``; inside one it returns
-``FSDPParam.unshard(...)``, the full tensor. The module passed to
+``FSDPParam.gather(...)``, the full tensor. The module passed to
 ``fully_shard`` becomes ``FSDP<Orig>`` (subclassing :class:`FSDPModule`), whose
 ``forward`` opens the forward context. There are no hooks and no
 ``torch._dynamo.disable``: Dynamo traces all of this into the graph.
