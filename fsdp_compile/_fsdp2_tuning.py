@@ -79,8 +79,16 @@ class FSDP2TuningMethods:
 
     def finalize_backward(self, *, async_op: bool = False) -> "GradientReductionHandle | None":
         """FSDP2's (torch 2.15): finish the backward's gradient reductions. Each backward
-        has already finished its own; returns a handle whose ``wait()`` returns at once
-        when ``async_op``."""
+        has already finished its own; what is left are gradients accumulated with sync off
+        when sync is on now (``torch.distributed.pipelining``'s order: every micro-batch
+        without sync, then sync on and ``finalize_backward``): reduced now, one
+        reduce-scatter per bucket, as FSDP2's. Returns a handle whose ``wait()`` returns at
+        once when ``async_op``."""
+        from fsdp_compile._fully_shard import units_in
+        from fsdp_compile._pipelining import finish_gradient_accumulation
+
+        for unit in units_in(self):
+            finish_gradient_accumulation(unit)
         return GradientReductionHandle() if async_op else None
 
     def set_custom_all_gather(self, comm) -> None:

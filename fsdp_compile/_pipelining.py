@@ -1,5 +1,8 @@
 """What ``torch.distributed.pipelining`` asks of FSDP2 at its gradient-reduction step.
 
+torch 2.15's schedules call the public ``finalize_backward()`` (ours:
+:func:`finish_gradient_accumulation` on every unit); torch 2.13's reach into FSDP2's state:
+
 A pipeline schedule runs every micro-batch's backward with gradient sync off
 (``set_requires_gradient_sync(False)``), then, at its ``REDUCE_GRAD`` action
 (``_PipelineStageBase.perform_reduce_grad``), turns sync back on and calls FSDP2's
@@ -56,6 +59,19 @@ def reduce_accumulated(unit: FSDPUnit) -> None:
         torch.autograd.backward(fulls, [torch.zeros_like(f) for f in fulls])
 
 
+def finish_gradient_accumulation(unit: FSDPUnit) -> None:
+    """With gradient sync on again, reduce what ``unit`` accumulated without it
+    (:func:`reduce_accumulated`); then, as FSDP2's post-backward, free the parameters kept
+    gathered (``set_reshard_after_backward(False)``) unless the unit keeps them. FSDP2's
+    ``post_backward()`` (torch 2.13's pipelining) and ``finalize_backward()`` (2.15's)."""
+    if not unit.requires_gradient_sync:
+        return
+    reduce_accumulated(unit)
+    if unit.reshard_after_backward:
+        for fsdp_param in unit.params:
+            fsdp_param.kept = None
+
+
 class _ParamGroupView:
     """FSDP2's ``FSDPParamGroup`` as pipelining uses it."""
 
@@ -63,12 +79,7 @@ class _ParamGroupView:
         self.unit = unit
 
     def post_backward(self) -> None:
-        """Reduce what accumulated; then, as FSDP2's post-backward, free the parameters kept
-        gathered (``set_reshard_after_backward(False)``) unless the unit keeps them."""
-        reduce_accumulated(self.unit)
-        if self.unit.reshard_after_backward:
-            for fsdp_param in self.unit.params:
-                fsdp_param.kept = None
+        finish_gradient_accumulation(self.unit)
 
 
 class _StateContextView:

@@ -544,12 +544,20 @@ def pipelining_micro_batches(kind: str) -> dict:
     for layer in model.layers:
         fully_shard_of(kind)(layer)
     fully_shard_of(kind)(model)
-    stage = types.SimpleNamespace(submod=model, scale_grads=lambda factor: None)
+    stage = types.SimpleNamespace(submod=model, has_backward=True, scale_grads=lambda factor: None)
+    stage._gradient_reduction_handle = None  # (torch 2.15's schedules finish through finalize_backward)
+    manual_finalization = hasattr(_PipelineStageBase, "start_gradient_reduction")
+    for name in ("start_gradient_reduction", "wait_for_gradient_reduction"):
+        if hasattr(_PipelineStageBase, name):
+            setattr(stage, name, types.MethodType(getattr(_PipelineStageBase, name), stage))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(torch.distributed.get_rank())
     for _ in range(2):
         for _ in range(3):
-            model.set_is_last_backward(False)
+            if manual_finalization:  # torch 2.15's forward_one_chunk
+                model.set_manual_backward_finalization(True)
+            else:  # torch 2.13's backward_maybe_with_nosync
+                model.set_is_last_backward(False)
             model.set_reshard_after_backward(False)
             model.set_requires_gradient_sync(False)
             model(torch.randn(4, 8, generator=gen)).square().mean().backward()
@@ -560,8 +568,10 @@ def pipelining_micro_batches(kind: str) -> dict:
 
 
 def test_pipelinings_gradient_reduction_step_reduces_our_accumulated_gradients(pool2):
-    """torch's pipelining reaches into FSDP2's state at its gradient-reduction step
-    (``fully_shard.state(stage)._state_ctx.all_states``, each group's ``post_backward()``):
-    our units answer it, reducing what the micro-batches accumulated, as FSDP2's."""
+    """torch's pipelining finishes its micro-batches' gradient accumulation by reaching into
+    FSDP2's state (torch 2.13: ``fully_shard.state(stage)._state_ctx.all_states``, each
+    group's ``post_backward()``) or through ``finalize_backward()`` (torch 2.15): our units
+    answer both, reducing what the micro-batches accumulated, as FSDP2's (an unanswered
+    call left the gradients unreduced: silently wrong)."""
     for got, expected in zip(pool2.run(pipelining_micro_batches, "ours"), pool2.run(pipelining_micro_batches, "fsdp2"), strict=True):
         _close(got, expected, rtol=1e-6, atol=1e-7)

@@ -114,7 +114,8 @@ def load_then_train(recipe: str, backend: str | None) -> dict:
 @pytest.mark.parametrize("recipe", ["broadcast_assign", "set_model_state_dict"])
 def test_meta_init_then_rank0_broadcast_trains_as_the_unsharded_model(pool2, recipe):
     reference = pool2.run(load_then_train, "reference", None)[0]
-    for backend in (None, "aot_eager"):
+    # Compiled once: both recipes end in the same adopted parameters.
+    for backend in (None, "aot_eager") if recipe == "broadcast_assign" else (None,):
         for got in pool2.run(load_then_train, recipe, backend):
             assert got["on_meta"] == []
             assert got["params"].keys() == reference["params"].keys()
