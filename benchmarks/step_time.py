@@ -4,7 +4,7 @@ against a compute-only run of the same setups on one rank.
     python -m benchmarks.step_time [--quick] [--model llama|hf-llama] [--layers 8] [--dim 512]
                                    [--vocab 16384] [--seq 256] [--batch 2] [--steps 8] [--warm-cache]
                                    [--setups fsdp2-eager,fsdp2-compiled,ours-eager,
-                                             ours-eager-nooverlap,ours-compiled-nopasses,ours-compiled,
+                                             ours-eager-nooverlap,ours-compiled-nopasses,ours-compiled,ours-compiled-dtensor-step,
                                              ours-compiled-noreshard,ours-compiled-gloo,
                                              ours-compiled-noreshard-gloo,fsdp2-blocks-compiled,
                                              ours-blocks-compiled,simplefsdp-manual,
@@ -101,6 +101,10 @@ SETUPS = {
     "ours-eager-nooverlap": ("ours eager, no overlap", "ours", False, {"eager_overlap": False}),
     "ours-compiled-nopasses": ("ours compiled, passes off", "ours", True, {"bucketing": False, "reorder": False}),
     "ours-compiled": ("ours compiled", "ours", True, {}),
+    # Before the default local-shard optimizer step: every AdamW step on the DTensors.
+    "ours-compiled-dtensor-step": (
+        "ours compiled, optimizer on DTensors (local_shard_optimizer_step off)", "ours", True, {"local_shard_optimizer_step": False}
+    ),
     "ours-compiled-noreshard": ("ours compiled, no reshard", "ours", True, {}),
     # gloo's own all-gather and reduce-scatter in the compiled code (config.gloo_all_to_all off).
     "ours-compiled-gloo": ("ours compiled, gloo's own collectives", "ours", True, {"gloo_all_to_all": False}),
