@@ -46,7 +46,6 @@ from fsdp_compile._eager_buckets import (
     issue_bucket_gather,
     regather_key,
     shard_versions,
-    still_gathered,
 )
 from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
 from fsdp_compile._execution_mode import ExecutionMode
@@ -148,7 +147,7 @@ def _prefetchable_buckets(unit: FSDPUnit) -> list[list[FSDPParam]]:
     """The buckets of ``unit`` that can be gathered with one all-gather each, now (not
     those still gathered)."""
     return [
-        bucket for key, bucket in _buckets(_to_gather(unit), bucket_key) if key is not None and still_gathered(bucket[0]) is None
+        bucket for key, bucket in _buckets(_to_gather(unit), bucket_key) if key is not None and bucket[0].still_gathered() is None
     ]
 
 

@@ -43,13 +43,7 @@ def bucket_key(fsdp_param: FSDPParam) -> tuple | None:
     if partial is not None and (not unit.requires_all_reduce or partial.grad is not None):
         return None
     key = regather_key(fsdp_param)
-    return None if key is None else (*key, unit.requires_gradient_sync, still_gathered(fsdp_param) is not None)
-
-
-def still_gathered(fsdp_param: FSDPParam) -> torch.Tensor | None:
-    """The full tensor (dim 0 first) a forward reads instead of gathering: held by
-    ``unshard()``, or kept since the last forward (``set_reshard_after_backward(False)``)."""
-    return fsdp_param.held_raw if fsdp_param.held_raw is not None else fsdp_param.kept
+    return None if key is None else (*key, unit.requires_gradient_sync, fsdp_param.still_gathered() is not None)
 
 
 def regather_key(fsdp_param: FSDPParam) -> tuple | None:
@@ -71,7 +65,7 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
     specs = [p.spec for p in fsdp_params]
     pendings = [None if p._grad_accumulator is None else p._grad_accumulator.grad for p in fsdp_params]
-    kept = [still_gathered(p) for p in fsdp_params]
+    kept = [p.still_gathered() for p in fsdp_params]
     kept = None if kept[0] is None else kept
     with fx_annotate(first.spec.tag.as_meta()):
         if not first.unit.requires_gradient_sync and shards[0].requires_grad and torch.is_grad_enabled():

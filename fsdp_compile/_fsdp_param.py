@@ -196,14 +196,9 @@ class FSDPParam:
                 )
             local = self.unit.devices.to_storage(local_tensor_of(param))
             if local is not local_tensor_of(param):
-                param = nn.Parameter(
-                    DTensor.from_local(
-                        local, old.device_mesh, old.placements, run_check=False, shape=old.shape, stride=old.stride()
-                    ),
-                    requires_grad=param.requires_grad,
-                )
+                param = self._sharded_param_over(local, param.requires_grad)
         elif self.tensor_parallel is None and not self.extension and param.shape == old.shape and param.dtype == old.dtype:
-            param = self._sharded_param_from(param.detach(), param.requires_grad)
+            param = self._sharded_param_over(self._shard(param.detach(), self.shard_dim)[1], param.requires_grad)
         else:
             raise ValueError(
                 f"fully_shard: a {type(param).__name__} of shape {tuple(param.shape)} and dtype {param.dtype} was assigned "
@@ -212,9 +207,8 @@ class FSDPParam:
             )
         self._install(param, old)
 
-    def _sharded_param_from(self, data: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-        """A new sharded parameter over this rank's shard of ``data`` (the full tensor)."""
-        _, local = self._shard(data, self.shard_dim)
+    def _sharded_param_over(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """A new sharded parameter over ``local`` (this rank's shard), laid out as the current one."""
         old = self.sharded_param
         dtensor = DTensor.from_local(
             self.unit.devices.to_storage(local),
@@ -333,12 +327,17 @@ class FSDPParam:
         spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
         if isinstance(naming, int):
             key = _spec_key_as_root(self, naming)
-        kept = self.kept if self.held_raw is None else self.held_raw
+        kept = self.still_gathered()
         direct = not traced and functorch_transforms_active()
         full = gather_with_grad_sync(
             local, spec, pending, accumulator, kept, partial_pending, partial_accumulator, key=key, direct=direct
         )
         return self._note_gathered(full)
+
+    def still_gathered(self) -> torch.Tensor | None:
+        """The full tensor (dim 0 first) a forward reads instead of gathering: held by
+        ``unshard()``, or kept since the last forward (``set_reshard_after_backward(False)``)."""
+        return self.kept if self.held_raw is None else self.held_raw
 
     def held_read_needs_grad(self) -> bool:
         """Whether a sharded forward's read of the held tensor needs autograd (FSDP2's
