@@ -15,7 +15,7 @@
 Both need ``triton`` importable (torch 2.15 with triton runs them on CPU; the torch
 2.13 CPU build has no triton): :func:`unavailable_reason` says why they cannot run.
 Everything here is benchmark-only, so the private torch APIs it touches stay in this
-file (the library's own are in ``fsdp_compile/_compat.py``). Every torch import is
+file (the library's own are in ``fsdp_compile/base/compat.py``). Every torch import is
 local, so this module imports on any torch.
 
 Inductor options are set with ``torch._inductor.config.patch`` around the peer's
@@ -152,7 +152,7 @@ def _has_waits(graph) -> bool:
 def _manual_pass(plans):
     """An Inductor post-grad pass running :func:`manual_bucketing` with ordering
     dependencies (what torchtitan installs), keyed for Inductor's caches."""
-    from fsdp_compile._compat import CustomGraphPass, hash_of_files
+    from fsdp_compile.base.compat import CustomGraphPass, hash_of_files
 
     class ManualOverlapBucketingPass(CustomGraphPass):
         def __call__(self, graph) -> None:

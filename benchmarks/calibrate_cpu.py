@@ -27,7 +27,7 @@ def measure_collectives() -> dict:
     import torch
     import torch.distributed as dist
 
-    from fsdp_compile._compat import c10d_functional
+    from fsdp_compile.base.compat import c10d_functional
 
     group = dist.group.WORLD.group_name
     ws = dist.get_world_size()

@@ -24,7 +24,7 @@ def measure(sizes_m: list[float], iters: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from fsdp_compile._compat import c10d_functional, group_name_of
+    from fsdp_compile.base.compat import c10d_functional, group_name_of
 
     torch.set_num_threads(1)
     group = group_name_of(dist.group.WORLD)

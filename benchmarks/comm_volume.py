@@ -52,8 +52,8 @@ def measure(world_size: int, layers: int, dim: int, reshard: bool, mp: str | Non
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fsdp_compile import fully_shard
-    from fsdp_compile._compat import register_fake_process_group
     from fsdp_compile.runtime.vocabulary import is_collective_issue
+    from fsdp_compile.testing._torch_internals import register_fake_process_group
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
     register_fake_process_group()

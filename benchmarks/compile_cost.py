@@ -67,7 +67,7 @@ def measure(setup: str, layers: int, backend: str) -> dict:
     import torch.nn as nn
     from torch._dynamo.utils import compile_times, counters
 
-    from fsdp_compile._compat import register_fake_process_group
+    from fsdp_compile.testing._torch_internals import register_fake_process_group
 
     register_fake_process_group()
     dist.init_process_group("fake", rank=0, world_size=2)

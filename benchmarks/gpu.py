@@ -346,7 +346,7 @@ def init_world(world: str, device) -> None:
 
     if world.startswith("fake"):
         try:
-            from fsdp_compile._compat import register_fake_process_group
+            from fsdp_compile.testing._torch_internals import register_fake_process_group
         except Exception:  # noqa: BLE001 - fsdp_compile does not import here; torch's module does the same
 
             def register_fake_process_group():

@@ -44,8 +44,8 @@ def _capture_graphs(world_size: int, layers: int, dim: int, seq: int):
 
     from benchmarks import _models
     from fsdp_compile import config, fully_shard
-    from fsdp_compile._compat import register_fake_process_group
     from fsdp_compile.passes.schedule import copy_graph
+    from fsdp_compile.testing._torch_internals import register_fake_process_group
     from fsdp_compile.testing.models import Llama, LlamaConfig
 
     register_fake_process_group()

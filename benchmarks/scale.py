@@ -95,7 +95,7 @@ def _fake_world(world_size: int):
     A ``fake`` group already there (another benchmark's) is put back afterwards."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import register_fake_process_group
+    from fsdp_compile.testing._torch_internals import register_fake_process_group
 
     previous = None
     if dist.is_initialized():
@@ -200,8 +200,8 @@ def trace_step(cfg, world_size: int, wrap: str = "layers") -> Trace:
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fsdp_compile._compat import compile_fx_up_to_post_grad
     from fsdp_compile.passes.schedule import copy_graph
+    from fsdp_compile.testing._torch_internals import compile_fx_up_to_post_grad
 
     captured: list[fx.GraphModule] = []
 
@@ -244,7 +244,7 @@ def run_our_passes(gm) -> tuple[object, float, float]:
     (bucketing, reordering); returns (graph, their seconds, pinning seconds on a further copy)."""
     import torch.fx as fx
 
-    from fsdp_compile import config
+    from fsdp_compile.base import config
     from fsdp_compile.passes.pinning import pin_schedule
     from fsdp_compile.passes.schedule import bucket_cap_bytes, copy_graph, schedule_collectives
 
@@ -684,7 +684,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     one_thread_per_rank()
     start = time.perf_counter()
-    from fsdp_compile import config
+    from fsdp_compile.base import config
 
     depths = {"prefetch_depth": args.prefetch_depth, "reduce_scatter_depth": args.reduce_scatter_depth}
     with config.patch(**{k: v for k, v in depths.items() if v is not None}):

@@ -260,8 +260,8 @@ def measure(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from fsdp_compile import config
     from fsdp_compile import fully_shard as ours_fully_shard
+    from fsdp_compile.base import config
 
     # Each setup compiles its own model instance; Dynamo sees another instance of the
     # same forward code as a recompile of that frame, and fsdp_compile warns about it.

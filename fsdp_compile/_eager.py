@@ -31,13 +31,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_compile import config
-from fsdp_compile._compat import (
-    is_functorch_wrapper,
-    outside_dispatch_modes,
-    running_backward_id,
-    saved_tensors_hooks_active,
-)
 from fsdp_compile._eager_buckets import (
     bucket_key,
     gather_bucket,
@@ -48,10 +41,12 @@ from fsdp_compile._eager_buckets import (
     shard_versions,
 )
 from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
-from fsdp_compile._execution_mode import ExecutionMode
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
+from fsdp_compile.base import config
+from fsdp_compile.base.compat import is_functorch_wrapper, outside_dispatch_modes, running_backward_id, saved_tensors_hooks_active
+from fsdp_compile.base.execution_mode import ExecutionMode
 from fsdp_compile.runtime.vocabulary import Role
 
 if TYPE_CHECKING:

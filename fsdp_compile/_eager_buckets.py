@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_compile._compat import fx_annotate, local_tensor_of
 from fsdp_compile._eager_collectives import (
     AllGatherInFlight,
     gather_bucket_with_grad_sync,
@@ -21,6 +20,7 @@ from fsdp_compile._eager_collectives import bucket_key as _collective_bucket_key
 from fsdp_compile._eager_reduce import defers_reduction
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._low_precision import gather_extension_params
+from fsdp_compile.base.compat import fx_annotate, local_tensor_of
 from fsdp_compile.runtime.vocabulary import Role
 
 if TYPE_CHECKING:

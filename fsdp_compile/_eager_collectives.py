@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_compile._compat import c10d_functional, fx_annotate
+from fsdp_compile.base.compat import c10d_functional, fx_annotate
 from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in
 from fsdp_compile.runtime.collectives import (
     CollectiveSpec,

@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from fsdp_compile import config
-from fsdp_compile._compat import in_compiled_autograd, queue_end_of_backward_callback, running_backward_id
 from fsdp_compile._eager_collectives import ReduceScatterInFlight
+from fsdp_compile.base import config
+from fsdp_compile.base.compat import in_compiled_autograd, queue_end_of_backward_callback, running_backward_id
 
 
 def defers_reduction(shards: list[torch.Tensor]) -> bool:

@@ -16,11 +16,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_compile._compat import flat_group_of
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, compute_device
 from fsdp_compile._low_precision import check_param_type
 from fsdp_compile._tensor_parallel import check_tensor_parallel_param
+from fsdp_compile.base.compat import flat_group_of
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
 # Set on an original (unsharded) nn.Parameter once it is sharded, so that a

@@ -22,14 +22,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_compile._compat import (
-    alias_of_local_tensor,
-    functorch_transforms_active,
-    fx_annotate,
-    local_tensor_of,
-    mark_as_parameter_input,
-)
-from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._local_shard_optimizer import SHARDED_PARAM_ATTRIBUTE
 from fsdp_compile._low_precision import (
@@ -44,6 +36,14 @@ from fsdp_compile._low_precision import (
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
+from fsdp_compile.base.compat import (
+    alias_of_local_tensor,
+    functorch_transforms_active,
+    fx_annotate,
+    local_tensor_of,
+    mark_as_parameter_input,
+)
+from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.collectives import (
     CollectiveSpec,
     ShardLayout,
@@ -424,7 +424,7 @@ class FSDPParam:
             return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
     # [Note: plain graph inputs] What a traced gather reads: an alias of the sharded
-    # parameter's local tensor, made once and kept (``_compat.alias_of_local_tensor``: its
+    # parameter's local tensor, made once and kept (``compat.alias_of_local_tensor``: its
     # ``detach()``, with an autograd edge that wraps the gradient as the parameter's
     # ``DTensor`` gradient, as ``to_local()``'s does). It shares the local tensor's storage,
     # so optimizer steps and checkpoint loads, which write that in place, show through it;

@@ -22,8 +22,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_compile._compat import never_a_frame_of_its_own
-from fsdp_compile._execution_mode import ExecutionMode, execution_mode
+from fsdp_compile.base.compat import never_a_frame_of_its_own
+from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.process_groups import DataParallelMesh
 
 if TYPE_CHECKING:

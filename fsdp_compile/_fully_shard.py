@@ -25,14 +25,6 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile import _eager
-from fsdp_compile._compat import (
-    allow_side_effects,
-    in_backward_recompute,
-    is_compiled_module,
-    never_a_frame_of_its_own,
-    units_entered_in_this_trace,
-)
-from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp2_tuning import FSDP2TuningMethods
 from fsdp_compile._fsdp_init import (
     _SHARDED_AS,
@@ -59,6 +51,14 @@ from fsdp_compile._fsdp_state import (
 from fsdp_compile._local_shard_optimizer import install_default_local_step
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile._pipelining import register_pipelining_view
+from fsdp_compile.base.compat import (
+    allow_side_effects,
+    in_backward_recompute,
+    is_compiled_module,
+    never_a_frame_of_its_own,
+    units_entered_in_this_trace,
+)
+from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.passes.registration import install_passes
 from fsdp_compile.runtime.process_groups import DataParallelMesh
 

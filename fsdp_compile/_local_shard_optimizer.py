@@ -41,7 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from fsdp_compile._compat import local_tensor_of
+from fsdp_compile.base.compat import local_tensor_of
 
 __all__ = ["step_on_local_shards", "ELEMENTWISE_OPTIMIZERS"]
 
@@ -77,7 +77,7 @@ def _decide_local_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer.__dict__.get(_DECIDED_ATTRIBUTE):
         return None
     optimizer.__dict__[_DECIDED_ATTRIBUTE] = True
-    from fsdp_compile import config
+    from fsdp_compile.base import config
 
     ours = any(getattr(p, SHARDED_PARAM_ATTRIBUTE, False) for g in optimizer.param_groups for p in g["params"])
     if config.local_shard_optimizer_step and ours and type(optimizer) in ELEMENTWISE_OPTIMIZERS:

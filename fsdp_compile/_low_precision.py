@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from fsdp_compile._compat import fx_annotate
+from fsdp_compile.base.compat import fx_annotate
 from fsdp_compile.runtime.collectives import all_gather_as_bytes, gather_with_grad_sync
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_compile._compat import tree_map
+from fsdp_compile.base.compat import tree_map
 
 
 def _cast_floating(tree, dtype: torch.dtype):

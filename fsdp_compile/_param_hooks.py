@@ -33,9 +33,9 @@ import types
 
 import torch
 
-from fsdp_compile._compat import run_by_compiled_code
-from fsdp_compile._execution_mode import ExecutionMode, execution_mode
 from fsdp_compile._fsdp_state import forward_context
+from fsdp_compile.base.compat import run_by_compiled_code
+from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 
 
 def route_forward_hooks_to_local_shard(sharded_param: torch.nn.Parameter, fqn: str) -> None:

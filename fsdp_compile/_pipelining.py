@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from fsdp_compile._compat import set_composable_state
 from fsdp_compile._eager_buckets import regather_key
 from fsdp_compile._eager_collectives import gather_bucket_with_grad_sync
+from fsdp_compile.base.compat import set_composable_state
 from fsdp_compile.runtime.collectives import gather_with_grad_sync
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_compile._compat import concatenate_meshes, is_strided_shard
+from fsdp_compile.base.compat import concatenate_meshes, is_strided_shard
 from fsdp_compile.runtime.process_groups import label_mesh_groups
 
 

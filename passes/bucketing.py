@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import stable_topological_sort
+from fsdp_compile.base.compat import stable_topological_sort
 from fsdp_compile.passes.graph_utils import emit, inputs_after, move_before
 from fsdp_compile.runtime import bucket_copies  # noqa: F401  (registers the copy-in ops)
 from fsdp_compile.runtime.vocabulary import (

@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import CheckpointPolicy, is_backward_node
+from fsdp_compile.base.compat import CheckpointPolicy, is_backward_node
 from fsdp_compile.runtime.vocabulary import is_aten_kernel
 
 log = logging.getLogger("fsdp_compile.passes.checkpointing")

@@ -25,7 +25,7 @@ import json
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import group_ranks
+from fsdp_compile.base.compat import group_ranks
 from fsdp_compile.runtime import consistency  # noqa: F401  (registers the op)
 from fsdp_compile.runtime.process_groups import group_label
 from fsdp_compile.runtime.vocabulary import graph_name, group_of, is_collective_issue, reduce_op_of

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from fsdp_compile import config
+from fsdp_compile.base import config
 from fsdp_compile.runtime.process_groups import is_tensor_parallel_group
 from fsdp_compile.runtime.vocabulary import (
     WAIT,

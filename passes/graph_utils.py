@@ -9,7 +9,7 @@ import weakref
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import detect_fake_mode
+from fsdp_compile.base.compat import detect_fake_mode
 from fsdp_compile.runtime.vocabulary import CollectiveTag, is_call, is_view, is_zero_constructor, set_tag, tag_of
 
 

@@ -32,7 +32,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import preserve_node_ordering
+from fsdp_compile.base.compat import preserve_node_ordering
 from fsdp_compile.passes.cost_model import counts_flops
 from fsdp_compile.runtime.vocabulary import is_aten_kernel, is_collective_issue, is_view, our_collectives, positions, tag_of
 

@@ -22,8 +22,8 @@ import warnings
 
 import torch.fx as fx
 
-from fsdp_compile import config, debug
-from fsdp_compile._compat import (
+from fsdp_compile.base import config, dumps
+from fsdp_compile.base.compat import (
     CustomGraphPass,
     current_compile_attempt,
     dynamo_graph_break_counts,
@@ -32,13 +32,13 @@ from fsdp_compile._compat import (
     group_backend,
     group_rank,
     hash_of_files,
-    make_graph_cache_keys_stable,
     register_torch_log,
     set_joint_custom_pass,
     set_post_grad_custom_post_pass,
     watch_dynamo_frame_compiles,
 )
 from fsdp_compile.passes.backward_tags import restore_backward_tags
+from fsdp_compile.passes.cache_keys import make_graph_cache_keys_stable
 from fsdp_compile.passes.checkpointing import save_random_ops_in_checkpointed_regions
 from fsdp_compile.passes.consistency import insert_consistency_check
 from fsdp_compile.passes.pinning import pin_schedule
@@ -86,19 +86,19 @@ def fsdp_post_grad_pass(graph: fx.Graph) -> None:
     _warn_if_graph_break(graph)
     restore_backward_tags(graph)  # (no-op: the joint pass restored them, where it ran)
     config.validate()
-    folder = debug.begin_graph(graph_name(graph).split()[0])
-    debug.record_graph(folder, "0_input", graph)
+    folder = dumps.begin_graph(graph_name(graph).split()[0])
+    dumps.record_graph(folder, "0_input", graph)
     cap = bucket_cap_bytes(graph) if config.bucketing else None
-    schedule_collectives(graph, cap, lambda stage: debug.record_graph(folder, stage, graph))
+    schedule_collectives(graph, cap, lambda stage: dumps.record_graph(folder, stage, graph))
     write_graph_report(folder, graph, config.hardware_profile)
     log.debug("%s: %d collective(s) after our passes", graph_name(graph), len(our_collectives(graph)))
     check = insert_consistency_check(graph) if config.check_collective_consistency else None
     if config.gloo_all_to_all:
         lower_to_all_to_all(graph, lambda group_name: group_backend(group_name) == "gloo", group_rank)
-        debug.record_graph(folder, "2b_transport", graph)
+        dumps.record_graph(folder, "2b_transport", graph)
     # Always: fixes the collective order (and any overlap) against Inductor's own reordering.
     pin_schedule(graph, config.reduce_scatter_depth, first=check)
-    debug.record_graph(folder, "3_pinned", graph)
+    dumps.record_graph(folder, "3_pinned", graph)
     _record_pass_time(graph, "post_grad", start)
 
 
@@ -235,7 +235,7 @@ def install_passes() -> None:
     if not _log_and_dump_set_up:
         _log_and_dump_set_up = True
         register_torch_log("fsdp_compile", "fsdp_compile")
-        debug.dump_from_environment()
+        dumps.dump_from_environment()
     make_graph_cache_keys_stable()
     watch_frame_compiles()
     current = get_joint_custom_pass()

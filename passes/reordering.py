@@ -39,7 +39,7 @@ import logging
 
 import torch.fx as fx
 
-from fsdp_compile._compat import stable_topological_sort
+from fsdp_compile.base.compat import stable_topological_sort
 from fsdp_compile.passes.cost_model import collective_seconds, compute_seconds, get_profile
 from fsdp_compile.passes.graph_utils import inputs_after, move_before
 from fsdp_compile.runtime.vocabulary import (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from fsdp_compile import debug
+from fsdp_compile.base import dumps
 from fsdp_compile.passes.cost_model import Simulation, simulate
 from fsdp_compile.runtime.vocabulary import WAIT, aten, collective_kind, is_call, is_view, positions, tag_of
 
@@ -173,7 +173,7 @@ def timeline_svg(sim: Simulation, width: int = 1200) -> str:
 
 def write_joint_record(gm: fx.GraphModule) -> None:
     """``joint_<k>.md``: the reshard pass's decision for each all-gather of one joint graph."""
-    path = debug.next_joint_file()
+    path = dumps.next_joint_file()
     if path is None:
         return
     lines = ["| node | role | unit | parameter | recompute |", "|---|---|---|---|---|"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import CheckpointPolicy, is_backward_node, place_in_backward
+from fsdp_compile.base.compat import CheckpointPolicy, is_backward_node, place_in_backward
 from fsdp_compile.passes.graph_utils import emit
 from fsdp_compile.runtime.vocabulary import ALL_GATHER, WAIT, Role, aten, collective_kind, is_call, is_view, tag_of, val
 

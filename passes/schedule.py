@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from fsdp_compile import config
+from fsdp_compile.base import config
 from fsdp_compile.passes.bucketing import bucket_collectives
 from fsdp_compile.passes.cost_model import simulate
 from fsdp_compile.passes.reordering import reorder_for_overlap

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_compile._compat import chunk_cat
+from fsdp_compile.base.compat import chunk_cat
 
 _LIBRARY = torch.library.Library("fsdp_compile", "FRAGMENT")  # kept alive: it holds the registrations
 

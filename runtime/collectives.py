@@ -4,7 +4,7 @@ Eager and compiled runs execute exactly these functions. Each one issues a
 functional collective (``torch.ops._c10d_functional.*``) followed directly by
 its ``wait_tensor``; moving the wait later is the passes' job, not the runtime's.
 
-Every op is traced inside :func:`fsdp_compile._compat.fx_annotate` with the
+Every op is traced inside :func:`fsdp_compile.base.compat.fx_annotate` with the
 parameter's :class:`~fsdp_compile.runtime.vocabulary.CollectiveTag`, so that FX
 passes can tell our collectives from any other collective in the same graph
 (a user's all-reduce, tensor parallelism).
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fsdp_compile._compat import c10d_functional, fx_annotate, issue_c10d_collective
-from fsdp_compile._execution_mode import ExecutionMode, execution_mode
+from fsdp_compile.base.compat import c10d_functional, fx_annotate, issue_c10d_collective
+from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.bucket_copies import pad_dim0
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
 
@@ -139,7 +139,7 @@ def _runs_eagerly(t: torch.Tensor) -> bool:
 
 
 # [Note: eager collectives] Run eagerly, every collective goes out as FSDP2's do, through
-# ``torch.distributed`` (``_compat.issue_c10d_collective``): torch's ``CommDebugMode`` and
+# ``torch.distributed`` (``compat.issue_c10d_collective``): torch's ``CommDebugMode`` and
 # profiler then count FSDP2's ops, and gloo runs ``_allgather_base``, not the coalesced
 # all-gather the functional op takes, whose worker threads race on the group's status
 # record (heap corruption with two in flight on one group). Traced code keeps the

@@ -14,8 +14,8 @@ import json
 
 import torch
 
-from fsdp_compile import config
-from fsdp_compile._compat import mark_side_effectful
+from fsdp_compile.base import config
+from fsdp_compile.base.compat import mark_side_effectful
 from fsdp_compile.runtime.process_groups import all_gather_json, is_real_multi_rank, side_group
 
 _verified: set[str] = set()

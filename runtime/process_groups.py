@@ -40,7 +40,7 @@ def group_label(group_name: str) -> str:
     world, label = _GROUP_LABELS.get(group_name, (None, None))
     if label is not None and world is _default_group():
         return label
-    from fsdp_compile._compat import group_ranks
+    from fsdp_compile.base.compat import group_ranks
 
     ranks = group_ranks(group_name)
     if ranks is None or len(ranks) < 2:
@@ -53,7 +53,7 @@ def label_mesh_groups(mesh, *, tensor_parallel: bool = False) -> None:
     """Name each dimension's group of ``mesh`` the same on every rank ("mesh dim 'dp'
     of size 2"): each rank's group along a dimension of a multi-dimensional mesh is
     a different group, with a different name."""
-    from fsdp_compile._compat import group_name_of
+    from fsdp_compile.base.compat import group_name_of
 
     for dim in range(mesh.ndim):
         name = group_name_of(mesh.get_group(dim))
@@ -121,7 +121,7 @@ class DataParallelMesh:
     """
 
     def __init__(self, mesh, *, shard: bool = True) -> None:
-        from fsdp_compile._compat import group_name_of
+        from fsdp_compile.base.compat import group_name_of
 
         self.mesh = mesh
         if mesh.ndim == 2:
@@ -166,7 +166,7 @@ class DataParallelMesh:
         (FSDP2's placement, so checkpoints interchange)."""
         from torch.distributed.tensor import Replicate, Shard
 
-        from fsdp_compile._compat import strided_shard
+        from fsdp_compile.base.compat import strided_shard
 
         out = [Replicate()] * self.mesh.ndim
         if sharded and self.shard_dim is not None:
@@ -180,7 +180,7 @@ class DataParallelMesh:
         Creates the groups on first use: a collective over the mesh's ranks."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        from fsdp_compile._compat import group_name_of
+        from fsdp_compile.base.compat import group_name_of
 
         key = (tuple(self.mesh.mesh.flatten().tolist()), size)
         world, mesh = _POST_FORWARD_MESHES.get(key, (None, None))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import OpOverload, c10d_functional
+from fsdp_compile.base.compat import OpOverload, c10d_functional
 
 #: Key under ``node.meta["custom"]`` holding a tag's fields.
 TAG_KEY = "fsdp_compile"

@@ -22,7 +22,7 @@ def fake_pg():
     """A world of 8 ranks in this process on the ``fake`` backend (graph-structure tests)."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import register_fake_process_group
+    from fsdp_compile.testing._torch_internals import register_fake_process_group
 
     register_fake_process_group()
     dist.init_process_group("fake", rank=0, world_size=8)

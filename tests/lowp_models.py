@@ -132,7 +132,7 @@ class _CollectiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self.all_reduces = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from fsdp_compile._compat import c10d_functional as c10d
+        from fsdp_compile.base.compat import c10d_functional as c10d
 
         name = getattr(func, "_overloadpacket", func)
         if name in (c10d.all_gather_into_tensor, torch.ops.c10d._allgather_base_):
@@ -224,9 +224,9 @@ def train_float8(backend: str | None, precompute: bool, steps: int = 3) -> dict:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     from fsdp_compile import fully_shard
-    from fsdp_compile._compat import compile_counter, reset_dynamo
     from fsdp_compile.testing import GraphCapture, collective_nodes, full_parameters
     from fsdp_compile.testing._tensors import global_mean
+    from fsdp_compile.testing._torch_internals import compile_counter, reset_dynamo
 
     reset_dynamo()
     model = build_float8()

@@ -157,7 +157,7 @@ def compile_counting_graphs(model: nn.Module, backend, **compile_kwargs):
     ``(model, None)`` for ``backend=None``: eager, nothing to count."""
     if not backend:
         return model, None
-    from fsdp_compile._compat import compile_counter
+    from fsdp_compile.testing._torch_internals import compile_counter
 
     counter = compile_counter(backend)
     return torch.compile(model, backend=counter, **compile_kwargs), counter

@@ -123,7 +123,7 @@ def warnings_after_another_models_break() -> tuple[int, list[str]]:
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     from fsdp_compile import fully_shard
-    from fsdp_compile._compat import dynamo_graph_break_counts
+    from fsdp_compile.base.compat import dynamo_graph_break_counts
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -262,7 +262,7 @@ def test_environment_variable_dump_and_torch_logs(tmp_path):
         """
         import torch, torch.distributed as dist
         import fsdp_compile
-        from fsdp_compile._compat import register_fake_process_group
+        from fsdp_compile.testing._torch_internals import register_fake_process_group
         from fsdp_compile.testing._backends import register_test_backends
         from fsdp_compile.testing.models import MLPStack
         register_test_backends()  # inductor_passes: Inductor's passes and ours, no code generation
@@ -314,8 +314,9 @@ def test_group_labels_do_not_outlive_their_process_group():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile._compat import group_name_of, register_fake_process_group
+    from fsdp_compile.base.compat import group_name_of
     from fsdp_compile.runtime.process_groups import group_label, label_mesh_groups
+    from fsdp_compile.testing._torch_internals import register_fake_process_group
 
     register_fake_process_group()
     dist.init_process_group("fake", rank=0, world_size=8)

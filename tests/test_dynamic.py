@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_compile._compat import c10d_functional
+from fsdp_compile.base.compat import c10d_functional
 from fsdp_compile.passes.bucketing import apply_buckets, plan_buckets
 from fsdp_compile.passes.cost_model import simulate
 from fsdp_compile.passes.reordering import reorder_for_overlap

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import fsdp_compile._eager as eager
 import fsdp_compile._eager_reduce as eager_reduce
-from fsdp_compile import config
+from fsdp_compile.base import config
 from fsdp_compile.testing import full_parameters, full_tensor
 from fsdp_compile.testing.models import Llama, LlamaConfig, MLPStack
 from tests.models import batch, fully_shard_of, llama_units, loss_fn
@@ -575,7 +575,7 @@ def test_a_forward_left_without_backward_is_not_prefetched_by_another(pool2):
 def all_gathers_in_flight_two_at_a_time(iterations: int) -> bool:
     """On each rank: ``iterations`` times, two of our all-gathers issued on the same gloo
     group before either is waited on (as a prefetch does); whether every result was right."""
-    from fsdp_compile._compat import c10d_functional, group_name_of
+    from fsdp_compile.base.compat import c10d_functional, group_name_of
     from fsdp_compile.runtime.collectives import issue_all_gather
 
     group, world_size, rank = group_name_of(dist.group.WORLD), dist.get_world_size(), dist.get_rank()

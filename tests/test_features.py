@@ -150,7 +150,7 @@ def gradient_accumulation(
     tells all-gathers from reduce-scatters, and without prefetch: one all-gather in
     flight at a time (two of gloo's coalesced all-gathers in flight can corrupt the heap:
     README, Limitations)."""
-    from fsdp_compile import config
+    from fsdp_compile.base import config
 
     with config.patch(gloo_all_to_all=False, prefetch_depth=0) if keep_gathered else contextlib.nullcontext():
         return _gradient_accumulation(kind, backend, name, micro_batches, steps, keep_gathered)

@@ -46,8 +46,8 @@ def train_routed(kind: str, use_b: str, reshard: bool, reduce_unused: bool, back
     full parameters after the last step."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     fully_shard = fully_shard_of(kind)
@@ -135,7 +135,7 @@ def hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) ->
     reduce-scatters, and without prefetch, so that one of gloo's coalesced all-gathers is
     in flight at a time: README, Limitations), and the graphs compiled after the first
     and the last step."""
-    from fsdp_compile import config
+    from fsdp_compile.base import config
 
     with config.patch(gloo_all_to_all=False, prefetch_depth=0):
         return _hsdp_accumulation(kind, backend, first_micro_batch)
@@ -153,8 +153,8 @@ def _hsdp_accumulation(kind: str, backend: str | None, first_micro_batch: str) -
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
     from fsdp_compile.testing.models import MLPStack
     from tests.models import compile_counting_graphs
 
@@ -409,8 +409,8 @@ def accumulation_collectives(kind: str, backend: str | None) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
     from fsdp_compile.testing.models import MLPStack
 
     reset_dynamo()
@@ -478,8 +478,8 @@ class Float8Frozen(nn.Module):
 
 
 def train_float8_frozen(kind: str, backend: str | None) -> dict:
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     torch.manual_seed(0)

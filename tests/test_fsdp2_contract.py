@@ -252,8 +252,8 @@ def train_case(kind: str, case: str, option, backend: str | None = None) -> dict
     unsharded reference (gradients averaged over the ranks), each with its own optimizer;
     ``zero_grad(set_to_none=...)`` alternates as upstream. Returns both losses and
     parameters, and the dtypes seen (``float64`` case)."""
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     model, ref, inputs, opt_cls = _build_training_case(case, option, fully_shard_of(kind))
@@ -415,8 +415,8 @@ def autograd_case(kind: str, case: str, option, backend: str | None = None) -> d
     """Upstream's autograd tests: the model on its local half of a global batch, the
     reference on the whole batch (its gradients divided by the world size, as the sum of
     the local losses' averaged gradients); the loss all-reduced."""
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     fully_shard = fully_shard_of(kind)

@@ -62,3 +62,39 @@ def test_import_changes_no_torch_global(tmp_path):
     # The first fully_shard installs them (so the check above can fail).
     installed = {key for key in before if before[key] != after_shard[key]}
     assert {"inductor", "functorch", "cache_pickler_init", "dynamo_callbacks", "log_aliases"} <= installed, installed
+
+
+def _fsdp_compile_imports(path) -> set[str]:
+    """The ``fsdp_compile`` modules a source file imports (at any depth of the file)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_compile"):
+            base = node.module
+            names |= {f"{base}.{a.name}" if base in ("fsdp_compile", "fsdp_compile.base") else base for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("fsdp_compile")}
+    return names
+
+
+def test_layers_import_only_what_is_below_them():
+    """``fsdp_compile.base`` imports nothing of ours outside itself; ``runtime/`` imports
+    only the base and itself; ``passes/`` only the base, the runtime and itself. So each
+    layer can be read, and tested, without the front end above it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    allowed = {
+        "fsdp_compile/base": ("fsdp_compile.base",),
+        "runtime": ("fsdp_compile.base", "fsdp_compile.runtime"),
+        "passes": ("fsdp_compile.base", "fsdp_compile.runtime", "fsdp_compile.passes"),
+    }
+    wrong = {}
+    for folder, prefixes in allowed.items():
+        for path in sorted((root / folder).glob("*.py")):
+            bad = sorted(m for m in _fsdp_compile_imports(path) if not any(m == p or m.startswith(p + ".") for p in prefixes))
+            if bad:
+                wrong[f"{folder}/{path.name}"] = bad
+    assert wrong == {}, wrong
+    assert len(list((root / "runtime").glob("*.py"))) > 3 and len(list((root / "passes").glob("*.py"))) > 3

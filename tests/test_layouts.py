@@ -51,7 +51,7 @@ def placements_and_graph(layout: str) -> dict:
     """Shard the small Llama with ``layout``, run one compiled step; report the
     parameters' placements and devices, the gradients' and optimizer state's
     devices, the mesh groups and the compiled graphs' collectives and copies."""
-    from fsdp_compile._compat import group_name_of
+    from fsdp_compile.base.compat import group_name_of
 
     model, units = build("llama")
     _shard_model("ours", units, None, layout)
@@ -137,7 +137,7 @@ def train_on_own_group(variant: str, mp: str | None, steps: int = 3) -> dict:
     the parameters after each step (this rank's)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fsdp_compile import config
+    from fsdp_compile.base import config
     from fsdp_compile.testing import full_parameters
     from tests.models import compile_counting_graphs
     from tests.test_parity import COMPILE_BACKENDS, MIXED_PRECISION

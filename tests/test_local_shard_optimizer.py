@@ -208,8 +208,8 @@ def default_local_step(kind: str) -> dict:
     """A plain ``torch.optim.AdamW`` over the Llama sharded by ``kind``, 3 steps, with the
     default (``config.local_shard_optimizer_step``) and with it off: whether the steps after
     the first ran on local shards, and the parameter shards of each run."""
-    from fsdp_compile import config
     from fsdp_compile._local_shard_optimizer import _StepOnLocalShards
+    from fsdp_compile.base import config
 
     out = {}
     for default in (True, False):

@@ -65,8 +65,8 @@ def load_then_train(recipe: str, backend: str | None) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     rank, world_size = dist.get_rank(), dist.get_world_size()

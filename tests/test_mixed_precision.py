@@ -11,7 +11,7 @@ from tests.test_parity import _assert_records_equal, _shard_model, train_all
 
 def compiled_collective_dtypes(mp: str, name: str = "mlp") -> dict:
     """Dtypes of the captured collectives' inputs in the forward and backward graphs."""
-    from fsdp_compile._compat import c10d_functional
+    from fsdp_compile.base.compat import c10d_functional
     from fsdp_compile.testing import GraphCapture, collective_nodes
 
     model, units = build(name)

@@ -37,8 +37,8 @@ def train_with_forward_hooks(variant: str, replace_grad: bool = False) -> dict:
     hook that doubles its parameters' gradients in place (or, with ``replace_grad``,
     assigns a new one). Returns the full parameters after each step, the types the hooks
     saw, the graph count, and what a hook registered outside the forward saw."""
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     kind, _, backend = variant.partition(":")

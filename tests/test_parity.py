@@ -85,7 +85,7 @@ def train(name: str, variant: str, steps: int = 3, with_eval: bool = False, mp: 
         "-gloo",
     ):  # the same, counting the compiled step's collectives: -a2a with config.gloo_all_to_all, -gloo without
         if variant.endswith(suffix):
-            from fsdp_compile import config
+            from fsdp_compile.base import config
 
             ops = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
             base = variant.removesuffix(suffix)
@@ -283,7 +283,7 @@ def train_counting_post_grad_passes(name: str, variant: str) -> dict:
 
 
 def _control_deps_runs_eagerly() -> bool:
-    from fsdp_compile._compat import control_deps_runs_eagerly
+    from fsdp_compile.testing._torch_internals import control_deps_runs_eagerly
 
     return control_deps_runs_eagerly()
 
@@ -313,7 +313,7 @@ def train_through_aot_eager_passes(name: str, bucketing: bool) -> dict:
     """``train`` compiled with ``"aot_eager_passes"``, counting the graphs our post-grad
     passes ran on and the all-gathers and reduce-scatters they left (before the gloo
     transport sends them as all-to-alls; see :func:`train_split`)."""
-    from fsdp_compile import config
+    from fsdp_compile.base import config
 
     with config.patch(bucketing=bucketing):
         record, counts = _counting_collectives_after_our_passes(
@@ -344,7 +344,7 @@ def train_split(name: str, split_unit_min_mb: float | None) -> dict:
     graphs after our passes, before the gloo transport sends them as all-to-alls. (Not
     with gloo's own collectives: run eagerly, two of gloo's coalesced all-gathers in
     flight corrupt a rank's heap; see [Note: gloo all-gathers].)"""
-    from fsdp_compile import config
+    from fsdp_compile.base import config
 
     with config.patch(split_unit_min_mb=split_unit_min_mb):
         record, counts = _counting_collectives_after_our_passes(
@@ -381,7 +381,7 @@ def eager_collectives_per_step(name: str, **config_changes) -> dict:
     backward (under ``config.patch(**config_changes)``)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from fsdp_compile import config
+    from fsdp_compile.base import config
 
     c10d = torch.ops.c10d
     model, units = build(name)

@@ -7,7 +7,7 @@ import itertools
 import torch
 import torch.fx as fx
 
-from fsdp_compile._compat import CheckpointPolicy, c10d_functional, get_joint_custom_pass, set_joint_custom_pass
+from fsdp_compile.base.compat import CheckpointPolicy, c10d_functional, get_joint_custom_pass, set_joint_custom_pass
 from fsdp_compile.passes import install_passes, tag_reshard_after_forward
 from fsdp_compile.passes.registration import _ChainedJointPass
 from fsdp_compile.runtime import CollectiveTag, Role

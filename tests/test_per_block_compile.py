@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_compile import fully_shard
-from fsdp_compile._compat import c10d_functional
+from fsdp_compile.base.compat import c10d_functional
 from fsdp_compile.runtime import Role, tag_of
 from fsdp_compile.runtime.vocabulary import FRAME_UNIT
 from fsdp_compile.testing import GraphCapture, collective_nodes, full_tensor
@@ -95,7 +95,7 @@ def _step(model, step: int, shard_batch=lambda t: t) -> torch.Tensor:
 def test_every_block_runs_one_graph_past_dynamos_recompile_limit(fake_pg, pattern, blocks):
     """10 blocks (Dynamo recompiles a frame at most 8 times): one graph for all of them,
     as unsharded, over two steps. Traced collectives are named relative to the block."""
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     def graphs(shard_fn):
         reset_dynamo()
@@ -137,7 +137,7 @@ def test_per_block_compile_reshards_after_forward(fake_pg, pattern, reshard):
     """``reshard_after_forward`` holds for blocks compiled on their own: with ``True`` no
     gathered weight outlives the forward and backward gathers again (the first block's
     weight is not needed in backward); with ``False`` backward gathers nothing."""
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
     from tests.test_structure import _CollectiveLog
 
     reset_dynamo()
@@ -163,7 +163,7 @@ def train_per_block(variant: str, pattern: str, backend: str, blocks: str) -> di
     feed-forward a unit of its own too), each rank on its half of the batch."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     model = build_llama(3, blocks)
@@ -233,7 +233,7 @@ def test_blocks_sharded_without_their_parent_are_units_of_their_own(fake_pg):
     """Blocks sharded without the root are root units, all named "": in one compiled
     graph each is still a unit of its own (by its order in the graph), so each is
     bucketed, gathered and reduced on its own rather than all blocks at once."""
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     capture = GraphCapture("default")
@@ -272,8 +272,8 @@ def graphs_with_partly_eager_blocks(kind: str) -> dict:
     full parameters after."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import compile_counter, reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import compile_counter, reset_dynamo
 
     reset_dynamo()
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ gathered once per pass and reduced once; and every collective but the first
 all-gather and the last reduce-scatter has compute between its issue and wait.
 
 Inductor may move collectives by itself (torch 2.15's ``simple_overlap``, on by
-default; see ``_compat.inductor_comm_overlap_flags``): the overlap is shown to be our
+default; see ``_torch_internals.inductor_comm_overlap_flags``): the overlap is shown to be our
 passes' doing with Inductor's own overlap off, and what Inductor does alone is
 tested on its own.
 """
@@ -30,13 +30,13 @@ def compiled_step_code(
 
     ``prefetch``: {"forward" | "backward": {layer index: [layer indices]}} hints.
     ``inductor_overlap=False`` turns off Inductor's own compute/communication overlap
-    (see ``_compat.inductor_comm_overlap_flags``), leaving only what our passes do."""
+    (see ``_torch_internals.inductor_comm_overlap_flags``), leaving only what our passes do."""
     import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     from fsdp_compile import config, fully_shard
-    from fsdp_compile._compat import inductor_comm_overlap_flags
     from fsdp_compile._fully_shard import managed_params
+    from fsdp_compile.testing._torch_internals import inductor_comm_overlap_flags
     from fsdp_compile.testing.models import MLPStack
 
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fsdp_compile
 from fsdp_compile import FSDPModule, fully_shard
-from fsdp_compile._compat import c10d_functional
+from fsdp_compile.base.compat import c10d_functional
 from fsdp_compile.testing import GraphCapture, collective_nodes, saved_all_gathers
 from tests.models import Llama, LlamaConfig, MLPStack, build, shard_blocks
 
@@ -179,7 +179,7 @@ def test_hsdp_reshards_to_consecutive_ranks_within_a_shard_group(fake_pg):
     block over ranks (0, 1), inside its shard group (0, 1, 2, 3), as FSDP2's mesh rows."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile._compat import group_ranks
+    from fsdp_compile.base.compat import group_ranks
 
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
     model = shard_blocks(MLPStack(dim=16, n_layers=2), mesh=mesh, reshard_after_forward=2, root_too=True)
@@ -379,7 +379,7 @@ def _compile_a_sharded_mlp(prefetch_hint: bool = False) -> dict:
 
 _IN_A_NEW_PROCESS = """
 import json, torch.distributed as dist
-from fsdp_compile._compat import register_fake_process_group
+from fsdp_compile.testing._torch_internals import register_fake_process_group
 from tests.test_structure import _compile_a_sharded_mlp
 register_fake_process_group()
 dist.init_process_group("fake", rank=0, world_size=8)
@@ -433,7 +433,7 @@ def test_ranks_do_not_share_cache_entries_where_the_gloo_transport_makes_graphs_
     """The gloo transport leaves a rank's own block out of its all-gathers, so a graph
     after our passes is that rank's: our pass's cache uuid holds the rank then, and
     only then (ranks sharing a cache directory would otherwise load each other's)."""
-    from fsdp_compile import config
+    from fsdp_compile.base import config
     from fsdp_compile.passes.registration import FSDPPostGradPass
 
     pass_ = FSDPPostGradPass()
@@ -488,8 +488,8 @@ def test_forward_context_records_each_forwards_execution_mode(fake_pg):
     """The mode a sharded forward started in is decided once and kept on its frame: code
     that a compiled step runs eagerly inside a traced forward (a graph break) sees traced
     frames around eager code, which is what marks its gathers as left outside the graph."""
-    from fsdp_compile._execution_mode import ExecutionMode, execution_mode
     from fsdp_compile._fsdp_state import forward_context
+    from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 
     seen = []
 

@@ -48,7 +48,7 @@ def train(variant: str, sequence_parallel: bool = False, steps: int = STEPS, hsd
     (replicate, shard, tp) mesh instead of (dp, tp)."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
     from tests.models import fully_shard_of
 
     reset_dynamo()
@@ -102,7 +102,7 @@ def train_accumulating(variant: str, sequence_parallel: bool = False, steps: int
     """:func:`train`, each step's global batch as two micro-batches, gradient sync off on
     the first (``set_requires_gradient_sync``): the unsharded gradient a tensor-parallel
     parameter accumulates is this rank's TP piece, not the global shape."""
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
     from tests.models import fully_shard_of
 
     reset_dynamo()
@@ -223,7 +223,7 @@ def _fake_tp_model(sequence_parallel: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compile import fully_shard
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
@@ -343,8 +343,8 @@ def test_hsdp_tp_graph_structure(world_size):
     the replicate dimension, DTensor's collectives over tp; blocks keep no gathered weight."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import register_fake_process_group, reset_dynamo
     from fsdp_compile.runtime.vocabulary import Role, collective_kind, group_of, tag_of
+    from fsdp_compile.testing._torch_internals import register_fake_process_group, reset_dynamo
 
     register_fake_process_group()
     dist.init_process_group("fake", rank=0, world_size=world_size)
@@ -430,7 +430,7 @@ def train_hf_llama(variant: str, steps: int = STEPS) -> dict:
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
     from tests.models import fully_shard_of, shard_blocks
 
     reset_dynamo()
@@ -508,7 +508,7 @@ def train_hf_own_plan(variant: str, arch: str, steps: int = STEPS, intermediate_
     import torch.nn.functional as F
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from fsdp_compile._compat import reset_dynamo
+    from fsdp_compile.testing._torch_internals import reset_dynamo
     from tests.models import fully_shard_of, shard_blocks
 
     reset_dynamo()

@@ -83,8 +83,8 @@ def train_chunked_loss(kind: str, backend: str | None) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     model = _sharded_tiny_lm(kind)
@@ -113,8 +113,8 @@ def train_unshard_before_forward(kind: str, backend: str | None, async_op: bool)
     ``reshard()``; AdamW steps after each."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import reset_dynamo
     from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
     model = _sharded_tiny_lm(kind)

@@ -95,9 +95,9 @@ def scheduled_collectives(rank: int, world_size: int) -> list[list[list[str]]]:
     import torch.distributed as dist
 
     from fsdp_compile import fully_shard
-    from fsdp_compile._compat import compile_fx_up_to_post_grad, register_fake_process_group
     from fsdp_compile.passes import registration
     from fsdp_compile.passes.consistency import collective_fingerprint
+    from fsdp_compile.testing._torch_internals import compile_fx_up_to_post_grad, register_fake_process_group
 
     register_fake_process_group()
     dist.init_process_group("fake", rank=rank, world_size=world_size)

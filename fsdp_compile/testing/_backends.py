@@ -41,7 +41,7 @@ def inductor_passes(gm, example_inputs):
     backend produces is not Inductor's compiled code and must never be loaded as such."""
     import torch._functorch.config as functorch_config
 
-    from fsdp_compile._compat import compile_fx_up_to_post_grad
+    from fsdp_compile.testing._torch_internals import compile_fx_up_to_post_grad
 
     with functorch_config.patch(enable_autograd_cache=False):
         return compile_fx_up_to_post_grad()(gm, example_inputs)
@@ -55,8 +55,8 @@ def aot_eager_passes(gm, example_inputs):
     ``aot_eager`` and ``inductor_passes`` check apart, except our passes on Inductor's
     decomposed graphs. (A graph without a backward, under ``no_grad``, gets the
     post-grad passes only, as under Inductor: the joint pass tags what a backward re-gathers.)"""
-    from fsdp_compile._compat import aot_eager_with_passes
     from fsdp_compile.passes.registration import fsdp_joint_pass, fsdp_post_grad_pass, install_passes
+    from fsdp_compile.testing._torch_internals import aot_eager_with_passes
 
     # As fully_shard does: the watch on frame compiles that attributes graph breaks (our
     # passes warn of them), which torch._dynamo.reset() drops, and FSDP_COMPILE_DUMP.
@@ -67,7 +67,7 @@ def aot_eager_passes(gm, example_inputs):
 def register_test_backends() -> None:
     """Idempotent: make ``torch.compile(..., backend="inductor_passes")`` and
     ``backend="aot_eager_passes"`` resolve in this process."""
-    from fsdp_compile._compat import register_dynamo_backend
+    from fsdp_compile.testing._torch_internals import register_dynamo_backend
 
     register_dynamo_backend(INDUCTOR_PASSES, inductor_passes)
     register_dynamo_backend(AOT_EAGER_PASSES, aot_eager_passes)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fsdp_compile._compat import aot_autograd_backend, c10d_functional
+from fsdp_compile.base.compat import c10d_functional
 from fsdp_compile.runtime.vocabulary import WAIT, is_view
+from fsdp_compile.testing._torch_internals import aot_autograd_backend
 
 
 class GraphCapture:

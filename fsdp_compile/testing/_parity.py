@@ -43,8 +43,8 @@ def _train_variant(model_fn, shard_fn, batch_fn, loss_fn, optimizer_fn, variant:
     global one)."""
     import torch.distributed as dist
 
-    from fsdp_compile._compat import compile_counter, reset_dynamo
     from fsdp_compile.testing._tensors import full_parameters, global_mean
+    from fsdp_compile.testing._torch_internals import compile_counter, reset_dynamo
 
     reset_dynamo()  # no graph reused from another variant's model
     rank, world_size = dist.get_rank(), dist.get_world_size()

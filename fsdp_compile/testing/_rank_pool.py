@@ -99,7 +99,7 @@ def _worker_main(
     import torch
     import torch.distributed as dist
 
-    from fsdp_compile._compat import compile_in_this_process, reset_dynamo, skip_side_effect_messages
+    from fsdp_compile.testing._torch_internals import compile_in_this_process, reset_dynamo, skip_side_effect_messages
 
     torch.set_num_threads(1)
     # By default each rank would compile in a pool of subprocesses of its own; with
@@ -113,7 +113,7 @@ def _worker_main(
 
     register_test_backends()
     if backend == "fake":
-        from fsdp_compile._compat import register_fake_process_group
+        from fsdp_compile.testing._torch_internals import register_fake_process_group
 
         register_fake_process_group()
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))

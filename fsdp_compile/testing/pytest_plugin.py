@@ -22,9 +22,9 @@ from fsdp_compile.testing._rank_pool import RankPool, fastest_start_method
 def pytest_configure(config) -> None:
     """``torch.compile(..., backend="inductor_passes")`` in the test process too (see
     ``fsdp_compile.testing._backends``), and Dynamo's side-effect messages off there, as
-    in every rank (``_compat.skip_side_effect_messages``)."""
-    from fsdp_compile._compat import skip_side_effect_messages
+    in every rank (``_torch_internals.skip_side_effect_messages``)."""
     from fsdp_compile.testing._backends import register_test_backends
+    from fsdp_compile.testing._torch_internals import skip_side_effect_messages
 
     register_test_backends()
     skip_side_effect_messages()

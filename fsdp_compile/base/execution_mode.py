@@ -15,7 +15,7 @@ import enum
 
 import torch
 
-from fsdp_compile._compat import inside_compiled_call, never_a_frame_of_its_own
+from fsdp_compile.base.compat import inside_compiled_call, never_a_frame_of_its_own
 
 
 class ExecutionMode(enum.Enum):
