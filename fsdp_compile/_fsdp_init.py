@@ -7,6 +7,7 @@ error naming the module or parameter on every rank, never a hang."""
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ def _reject_unsupported_options(mesh, reshard_after_forward, shard_placement_fn,
         raise TypeError(f"offload_policy must be an OffloadPolicy (e.g. CPUOffloadPolicy()), got {type(offload_policy).__name__}")
 
 
-def _resolve_reshard_size(reshard_after_forward, dp_mesh: DataParallelMesh, owned, unit_name: str):
+def _resolve_reshard_size(reshard_after_forward, dp_mesh: DataParallelMesh, owned: list[OwnedParam], unit_name: str):
     """``reshard_after_forward`` as the unit keeps it: an int is checked and, as in FSDP2,
     1 means ``False`` and the shard group's size means ``True``."""
     if type(reshard_after_forward) is not int:
@@ -89,7 +90,7 @@ def _resolve_reshard_size(reshard_after_forward, dp_mesh: DataParallelMesh, owne
         return False
     if reshard_after_forward == size:
         return True
-    tensor_parallel = [fqn for _, _, param, fqn, _ in owned if isinstance(param, DTensor)]
+    tensor_parallel = [o.fqn for o in owned if isinstance(o.param, DTensor)]
     if tensor_parallel:
         raise NotImplementedError(
             f"fully_shard({unit_name}): reshard_after_forward={reshard_after_forward} (resharding to a smaller "
@@ -163,11 +164,18 @@ def _unit_name(modules: list[nn.Module]) -> str:
     return names[0] if len(names) == 1 else "[" + ", ".join(names) + "]"
 
 
-def _collect_owned_params(
-    modules: list[nn.Module], ignored: set, unit: FSDPUnit
-) -> list[tuple[nn.Module, str, nn.Parameter, str, int]]:
-    """(owner, name, parameter, fqn, index of the module in ``modules``) for every
-    parameter this unit manages.
+class OwnedParam(NamedTuple):
+    """A parameter a unit manages, where it is registered."""
+
+    module: nn.Module  # the module registering it
+    name: str  # its name there
+    param: nn.Parameter
+    fqn: str  # its path from the module passed to fully_shard
+    module_index: int  # which of the unit's modules that is
+
+
+def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit) -> list[OwnedParam]:
+    """Every parameter this unit manages.
 
     Skips subtrees already sharded by an earlier (nested) call; parameters
     owned by those units but also held here (tied weights) are included with
@@ -195,7 +203,7 @@ def _collect_owned_params(
                     _check_shareable(existing, fqn, unit, modules)
                 elif isinstance(param, DTensor):
                     check_tensor_parallel_param(param, fqn, unit.mesh, _unit_name(modules))
-                owned.append((mod, name, param, fqn, module_index))
+                owned.append(OwnedParam(mod, name, param, fqn, module_index))
             for child_name, child in reversed(list(mod._modules.items())):
                 if child is not None:
                     stack.append((f"{prefix}{child_name}.", child))
@@ -227,7 +235,7 @@ def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: lis
         )
 
 
-def _check_param_types(owned, shard_dims: list[int], unit: FSDPUnit) -> None:
+def _check_param_types(owned: list[OwnedParam], shard_dims: list[int], unit: FSDPUnit) -> None:
     """Refuse, by name, complex tensor-parallel parameters, and parameter subclasses this
     unit cannot shard as asked (see ``_low_precision.check_param_type``; parameters sharded
     already or by tensor parallelism are checked where they were)."""
@@ -248,9 +256,9 @@ def _check_param_types(owned, shard_dims: list[int], unit: FSDPUnit) -> None:
             )
 
 
-def _check_same_params_on_all_ranks(owned, mesh: DeviceMesh, unit_fqn: str) -> None:
+def _check_same_params_on_all_ranks(owned: list[OwnedParam], mesh: DeviceMesh, unit_fqn: str) -> None:
     """Every rank must shard the same names, shapes and dtypes (two small all-gathers)."""
-    mine = [(fqn, tuple(p.shape), str(p.dtype)) for _, _, p, fqn, _ in owned]
+    mine = [(o.fqn, tuple(o.param.shape), str(o.param.dtype)) for o in owned]
     group = mesh.get_group() if mesh.ndim == 1 else flat_group_of(mesh)
     everyone = [
         [(fqn, tuple(shape), dtype) for fqn, shape, dtype in theirs]

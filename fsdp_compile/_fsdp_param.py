@@ -45,7 +45,9 @@ from fsdp_compile.base.compat import (
 )
 from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.collectives import (
+    NO_ACCUMULATION,
     CollectiveSpec,
+    GradAccumulation,
     ShardLayout,
     gather_post_forward_shard,
     gather_with_grad_sync,
@@ -126,28 +128,15 @@ class FSDPParam:
         self.is_complex = data.is_complex()
         # The dtype it is gathered and computed in (per parameter: param_dtype_override_fn).
         self.param_dtype = param_dtype_for(unit.mp_policy, param)
+        # FSDP2's all-gather extension (a tensor subclass that gathers itself: see ``_low_precision``);
+        # its hooks' arity, traced gather and the local tensor that gather reads.
+        self.extension: bool = has_all_gather_extension(data)
+        self.pre_all_gather_arity: int | None = None
+        self.traced_extension_gather = None
+        self.extension_source: torch.Tensor | None = None
         self.layout, local = self._shard(data, shard_dim)
         self.reduce_group_names = dp.reduce_group_names(sharded=self.layout is not None)
-        dtensor = DTensor.from_local(
-            unit.devices.to_storage(local),
-            unit.mesh if tp is None else spmd_mesh(unit.mesh, tp),
-            dp.placements(
-                sharded=data.ndim != 0 and dp.shards,
-                shard_dim=shard_dim,
-                tp_placements=() if tp is None else tp.placements,
-                tp_shards=1 if tp is None else tp.shards_on(shard_dim),
-            ),
-            run_check=False,
-            shape=param.shape,
-            stride=_contiguous_stride(param.shape),
-        )
-        self.sharded_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-        # Carry over attributes users hang on parameters (e.g. ``_no_weight_decay``).
-        for key, value in vars(param).items():
-            if not key.startswith("_fsdp"):
-                setattr(self.sharded_param, key, value)
-        setattr(self.sharded_param, SHARDED_PARAM_ATTRIBUTE, True)  # (the default optimizer step's)
-        route_forward_hooks_to_local_shard(self.sharded_param, local_fqn)
+        self.sharded_param = self._first_sharded_param(param, local, data.ndim)
         self._follow_requires_grad, self.follow_requires_grad_when_traced = _requires_grad_followers(self)
         self.local_view: torch.Tensor  # see [Note: plain graph inputs]
         self.refresh_local_view()
@@ -177,6 +166,31 @@ class FSDPParam:
         # Whether a traced read of this trainable parameter needs nothing but
         # :attr:`local_view` (see [Note: traced reads without the DTensor]).
         self.traced_read_needs_local_view_only = self._reads_local_view_as_is and tp is None and not self.extension
+
+    def _first_sharded_param(self, param: nn.Parameter, local: torch.Tensor, ndim: int) -> nn.Parameter:
+        """The ``nn.Parameter(DTensor)`` over ``local`` that stands for ``param`` from now on,
+        with the attributes users hang on parameters (e.g. ``_no_weight_decay``)."""
+        unit, tp, dp = self.unit, self.tensor_parallel, self.unit.dp_mesh
+        dtensor = DTensor.from_local(
+            unit.devices.to_storage(local),
+            unit.mesh if tp is None else spmd_mesh(unit.mesh, tp),
+            dp.placements(
+                sharded=ndim != 0 and dp.shards,
+                shard_dim=self.shard_dim,
+                tp_placements=() if tp is None else tp.placements,
+                tp_shards=1 if tp is None else tp.shards_on(self.shard_dim),
+            ),
+            run_check=False,
+            shape=param.shape,
+            stride=_contiguous_stride(param.shape),
+        )
+        sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        for key, value in vars(param).items():
+            if not key.startswith("_fsdp"):
+                setattr(sharded, key, value)
+        setattr(sharded, SHARDED_PARAM_ATTRIBUTE, True)  # (the default optimizer step's)
+        route_forward_hooks_to_local_shard(sharded, self.local_fqn)
+        return sharded
 
     def adopt(self, param: nn.Parameter) -> None:
         """Make ``param``, assigned to the parameter's name after ``fully_shard``
@@ -238,7 +252,6 @@ class FSDPParam:
         """This rank's shard of ``data`` and its layout. A tensor subclass with FSDP2's
         all-gather extension keeps its subclass (see ``_low_precision``)."""
         dp = self.unit.dp_mesh
-        self.extension = has_all_gather_extension(data)
         if not self.extension:
             if self.is_complex:
                 layout, local = _split(torch.view_as_real(data), shard_dim, dp)
@@ -322,16 +335,13 @@ class FSDPParam:
             local = self.local_view  # the common traced case: what _gather_input returns, in fewer steps
         else:
             local = self._gather_input(sharded_param)
-        pending, accumulator, partial_pending, partial_accumulator = self._accumulation()
         naming, key = self.unit.traced_naming, None
         spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
         if isinstance(naming, int):
             key = _spec_key_as_root(self, naming)
         kept = self.still_gathered()
         direct = not traced and functorch_transforms_active()
-        full = gather_with_grad_sync(
-            local, spec, pending, accumulator, kept, partial_pending, partial_accumulator, key=key, direct=direct
-        )
+        full = gather_with_grad_sync(local, spec, self._accumulation(), kept, key=key, direct=direct)
         return self._note_gathered(full)
 
     def still_gathered(self) -> torch.Tensor | None:
@@ -351,12 +361,12 @@ class FSDPParam:
             side = side_tensors(local_tensor_of(self.sharded_param))
             carrier = self._gradient_carrier(self.local_view)
             return self.traced_extension_gather(self.extension_source, side, carrier, *self._accumulation())
-        return gather_extension_with_grad(self, local_tensor_of(sharded_param), self._gradient_carrier(), *self._accumulation())
+        return gather_extension_with_grad(self, local_tensor_of(sharded_param), self._gradient_carrier(), self._accumulation())
 
     def note_gathered_extension(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full``, this extension parameter's compute tensor gathered with others
         of its unit (eager code), with its gradient reduction attached."""
-        return self._note_gathered(with_gradient_reduction(self, full, self._gradient_carrier(), *self._accumulation()))
+        return self._note_gathered(with_gradient_reduction(self, full, self._gradient_carrier(), self._accumulation()))
 
     def _gradient_carrier(self, traced_view: torch.Tensor | None = None) -> torch.Tensor | None:
         """What carries a gradient back to the sharded parameter (``None``: none is needed)."""
@@ -364,12 +374,12 @@ class FSDPParam:
             return None
         return traced_view if traced_view is not None else self.sharded_param.to_local()
 
-    def _accumulation(self) -> tuple:
-        """``gather_with_grad_sync``'s accumulation arguments: (pending, accumulator,
-        partial_pending, partial_accumulator), by the unit's sync and all-reduce modes."""
-        accumulator = pending = partial_pending = partial_accumulator = None
+    def _accumulation(self) -> GradAccumulation:
+        """Where this parameter's gradient goes besides its reduction, by the unit's sync
+        and all-reduce modes (see :class:`~fsdp_compile.runtime.collectives.GradAccumulation`)."""
         if self._grad_accumulator is None and self._partial_accumulator is None:
-            return pending, accumulator, partial_pending, partial_accumulator  # the common case, in few traced steps
+            return NO_ACCUMULATION  # the common case, in few traced steps
+        pending = accumulator = partial_pending = partial_accumulator = None
         if self._grad_accumulator is not None:
             if self.unit.requires_gradient_sync:
                 pending = self._grad_accumulator.grad
@@ -380,7 +390,7 @@ class FSDPParam:
                 partial_pending = self._partial_accumulator.grad
             else:
                 partial_accumulator = self._partial_accumulator
-        return pending, accumulator, partial_pending, partial_accumulator
+        return GradAccumulation(pending, accumulator, partial_pending, partial_accumulator)
 
     def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
@@ -423,35 +433,26 @@ class FSDPParam:
         with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)):
             return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
-    # [Note: plain graph inputs] What a traced gather reads: an alias of the sharded
-    # parameter's local tensor, made once and kept (``compat.alias_of_local_tensor``: its
-    # ``detach()``, with an autograd edge that wraps the gradient as the parameter's
-    # ``DTensor`` gradient, as ``to_local()``'s does). It shares the local tensor's storage,
-    # so optimizer steps and checkpoint loads, which write that in place, show through it;
-    # it is no autograd view (``to_local()``'s is, and torch 2.11 refuses a view made in a
-    # custom Function once its base was written in place); its edge keeps nothing for
-    # backward, so every step's backward runs through it again. Read from here, the
-    # sharded ``DTensor`` is no input of a compiled graph: its inputs are plain tensors,
-    # and AOTAutograd needs no subclass handling for them (with a ``DTensor`` input it
-    # cannot compile a graph fragment that returns two views of one intermediate, as a
-    # graph break after ``list(t)`` / ``unbind()`` does: LLaVA's image features). The
-    # gradient reaches the parameter's ``.grad`` through autograd's own accumulation and
-    # hooks, as before (once the compiled backward returns it: that edge is older than
-    # any node of the step, so autograd runs it after the step's other ready nodes).
+    # [Note: plain graph inputs] A traced gather reads :attr:`local_view`: an alias of the
+    # sharded parameter's local tensor (its ``detach()``, made once and kept, with an
+    # autograd edge that hands the gradient back as the parameter's ``DTensor`` gradient,
+    # as ``to_local()``'s does). Rules it keeps:
+    # * it shares the local tensor's storage, so in-place writes (optimizer steps,
+    #   checkpoint loads) show through it;
+    # * it is no autograd view, so in-place writes to the parameter never make autograd
+    #   rebuild its ``grad_fn``, and its edge saves nothing, so every backward runs it;
+    # * the sharded ``DTensor`` is then no input of a compiled graph: AOTAutograd sees
+    #   plain tensors only and needs no subclass handling.
     # [Note: traced reads without the DTensor] A traced read of a trainable parameter (no
     # tensor parallelism, no all-gather extension) touches neither the sharded ``DTensor``
-    # nor ``module._parameters``: Dynamo would guard each ``DTensor`` it sees (its spec
-    # through a Python lambda, its mesh's identity, its aliases), ~15 us a parameter at
-    # every call of the compiled model. What it needs of the ``DTensor`` is whether it still
-    # requires a gradient, and :attr:`local_view` says so, kept true by
-    # :func:`_requires_grad_followers`: at trace time (``requires_grad`` changed since the
-    # view was made: a new view, which Dynamo's guard on the view's ``requires_grad``
-    # then covers), and by the backward of a parameter frozen since the last trace
-    # (autograd drops that gradient, the new view makes the next call recompile: as the
-    # unsharded model, one step later). A frozen parameter's read still goes through the
-    # ``DTensor``, whose guard sees it unfrozen. ``module._parameters`` is swapped for local
-    # tensors only by tensor-parallel code (``transformers``' local-kernel paths), which
-    # reads go through the ``DTensor`` (see ``_fully_shard._read_managed``).
+    # nor ``module._parameters``, so Dynamo installs no guard on the ``DTensor`` (its spec,
+    # its mesh, its aliases) at every call. The one fact it needs from the ``DTensor``,
+    # whether it requires a gradient, :attr:`local_view` mirrors
+    # (:func:`_requires_grad_followers` makes a new view at trace time, or in the backward
+    # of a parameter frozen since the last trace; the new view then fails Dynamo's guard
+    # on the view's ``requires_grad`` and recompiles, one step later, as unsharded). A
+    # frozen parameter's read still goes through the ``DTensor``. Tensor-parallel reads go
+    # through the ``DTensor`` too (see ``_fully_shard._read_managed``).
     def refresh_local_view(self) -> None:
         """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""

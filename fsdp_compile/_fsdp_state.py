@@ -77,7 +77,7 @@ NESTED_NAMING = "nested"
 
 
 #: The ``FSDPUnit`` fields its parameters' collective specs are built from
-#: (``FSDPParam.refresh_spec``): writing one rebuilds the specs.
+#: (``FSDPParam.refresh_spec``): :meth:`FSDPUnit.update` rebuilds the specs when one changes.
 SPEC_OPTIONS = frozenset(
     {
         "reshard_after_forward",
@@ -101,8 +101,8 @@ class FSDPUnit:
     Options that the traced collectives depend on (names, resharding, prefetch
     hints, the gradient divide factor: :data:`SPEC_OPTIONS`) are baked into each
     parameter's :class:`~fsdp_compile.runtime.collectives.CollectiveSpec`, which is
-    rebuilt whenever one of them is written (compiled graphs guard on the specs and
-    recompile).
+    rebuilt by :meth:`update`, through which they are written (compiled graphs guard on
+    the specs and recompile).
     """
 
     modules: list[nn.Module]  # the module(s) passed to fully_shard
@@ -169,9 +169,14 @@ class FSDPUnit:
         if not self.module_fqns:
             self.module_fqns = [""] * len(self.modules)
 
-    def __setattr__(self, name: str, value) -> None:
-        object.__setattr__(self, name, value)
-        if name in SPEC_OPTIONS:
+    def update(self, **fields) -> None:
+        """Set fields; if one of :data:`SPEC_OPTIONS` is among them, rebuild every parameter's
+        collective spec from the new values (write those fields through here only)."""
+        for name, value in fields.items():
+            if not hasattr(self, name):
+                raise AttributeError(f"FSDPUnit has no field {name!r}")
+            setattr(self, name, value)
+        if SPEC_OPTIONS.intersection(fields):
             self._rebuild_specs()
 
     @property
@@ -204,8 +209,8 @@ class FSDPUnit:
 
     def _rebuild_specs(self) -> None:
         """Rebuild every parameter's collective spec from the unit's options (eager code
-        only: it runs when one of :data:`SPEC_OPTIONS` is written)."""
-        for fsdp_param in self.__dict__.get("params", ()):
+        only: it runs when :meth:`update` changes one of :data:`SPEC_OPTIONS`)."""
+        for fsdp_param in self.params:
             fsdp_param.refresh_spec()
 
 

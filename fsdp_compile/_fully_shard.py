@@ -195,7 +195,7 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         if not isinstance(reshard_after_forward, bool):
             raise NotImplementedError(f"set_reshard_after_forward({reshard_after_forward!r}): only True/False are supported")
         for unit in units_in(self, recurse):
-            unit.reshard_after_forward, unit.reshard_to = reshard_after_forward, None
+            unit.update(reshard_after_forward=reshard_after_forward, reshard_to=None)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False``: parameters stay gathered after backward, and the next forward reads
@@ -211,7 +211,7 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         if not isinstance(reshard_after_backward, bool):
             raise TypeError(f"set_reshard_after_backward({reshard_after_backward!r}): pass True or False")
         for unit in units_in(self, recurse):
-            unit.reshard_after_backward = reshard_after_backward
+            unit.update(reshard_after_backward=reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Issue the all-gathers of ``modules`` when this unit's forward starts (FSDP2's
@@ -238,10 +238,10 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         me, by = self._fsdp_unit, f"{direction}_prefetched_by"
         for unit in getattr(me, f"{direction}_prefetches"):
             if getattr(unit, by) is me:
-                setattr(unit, by, None)
+                unit.update(**{by: None})
         setattr(me, f"{direction}_prefetches", units)
         for unit in units:
-            setattr(unit, by, me)
+            unit.update(**{by: me})
 
     def _prefetch_targets(self, method: str, modules) -> list[FSDPUnit]:
         units = []
@@ -261,7 +261,7 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         if factor <= 0:
             raise ValueError(f"set_gradient_divide_factor({factor}): the factor must be positive")
         for unit in units_in(self, recurse=False):
-            unit.gradient_divide_factor = float(factor)
+            unit.update(gradient_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 too: use :meth:`set_gradient_divide_factor`."""
@@ -410,7 +410,9 @@ def fully_shard(
             "computing on DTensors of the full mesh) is not supported; pass the data-parallel sub-mesh instead, "
             "e.g. fully_shard(block, mesh=mesh['dp']) after parallelize_module(block, mesh['tp'], plan)"
         )
-    return _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, shard=True)
+    return _shard_as_one_unit(
+        module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, shard=True
+    )
 
 
 def replicate(
@@ -429,10 +431,12 @@ def replicate(
     our all-gathers. Mixed precision, offload and gradient accumulation work
     as with :func:`fully_shard`. The module's class becomes ``FSDP<Orig>``.
     """
-    return _apply(module, mesh, False, None, mp_policy, offload_policy, ignored_params, shard=False)
+    return _shard_as_one_unit(module, mesh, False, None, mp_policy, offload_policy, ignored_params, shard=False)
 
 
-def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard):
+def _shard_as_one_unit(
+    module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard
+):
     # Our passes join torch.compile's pipeline when the first module is sharded, not at import;
     # again at every call: torch._dynamo.reset() forgets part of it (see install_passes).
     install_passes()
@@ -463,14 +467,24 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
         eager=_eager.EagerState(),
     )
     owned = _collect_owned_params(modules, ignored_params or set(), unit)
-    shard_dims = [_shard_dim(param, fqn, shard_placement_fn, _unit_name(modules)) for _, _, param, fqn, _ in owned]
-    unit.reshard_after_forward = _resolve_reshard_size(reshard_after_forward, unit.dp_mesh, owned, _unit_name(modules))
+    shard_dims = [_shard_dim(o.param, o.fqn, shard_placement_fn, _unit_name(modules)) for o in owned]
+    unit.update(reshard_after_forward=_resolve_reshard_size(reshard_after_forward, unit.dp_mesh, owned, _unit_name(modules)))
     _check_param_types(owned, shard_dims, unit)
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
     # -- nothing below may fail on one rank only --
     if type(unit.reshard_after_forward) is int:
-        unit.reshard_to = unit.dp_mesh.post_forward_group(unit.reshard_after_forward)
+        unit.update(reshard_to=unit.dp_mesh.post_forward_group(unit.reshard_after_forward))
+    _install_params(unit, owned, shard_dims)
+    for m in modules:
+        _make_unit(m, unit)
+    return module
+
+
+def _install_params(unit: FSDPUnit, owned: list, shard_dims: list[int]) -> None:
+    """Register a sharded parameter for each of ``owned`` in its module: a new
+    :class:`FSDPParam` of ``unit``, or the existing one of a parameter another unit (or
+    another module of this one) already shards."""
     by_original: dict[int, FSDPParam] = {}
     for (owner, name, param, fqn, module_index), shard_dim in zip(owned, shard_dims, strict=True):
         fsdp_param = getattr(param, _SHARDED_AS, None)
@@ -483,17 +497,18 @@ def _apply(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, o
             setattr(param, _SHARDED_AS, fsdp_param)
         _install_managed_param(owner, name, fsdp_param)
 
-    for m in modules:
-        if is_compiled_module(m) and "forward" in m.__dict__:
-            # torch.compile(block) before fully_shard (torchtitan's order): the compiled call
-            # is an instance attribute that would hide our forward; ours calls it instead.
-            # (Into __dict__: an OptimizedModule forwards attribute writes to _orig_mod.)
-            m.__dict__["_fsdp_compiled_forward"] = m.__dict__.pop("forward")
-        _swap_class(m, is_unit=True)
-        m._fsdp_unit = unit
-        register_pipelining_view(m, unit)  # torch.distributed.pipelining's fully_shard.state(m)
-        _adopt_nested_units(m, unit)
-    return module
+
+def _make_unit(module: nn.Module, unit: FSDPUnit) -> None:
+    """Turn ``module`` into an ``FSDP<Orig>`` of ``unit``."""
+    if is_compiled_module(module) and "forward" in module.__dict__:
+        # torch.compile(block) before fully_shard (torchtitan's order): the compiled call
+        # is an instance attribute that would hide our forward; ours calls it instead.
+        # (Into __dict__: an OptimizedModule forwards attribute writes to _orig_mod.)
+        module.__dict__["_fsdp_compiled_forward"] = module.__dict__.pop("forward")
+    _swap_class(module, is_unit=True)
+    module._fsdp_unit = unit
+    register_pipelining_view(module, unit)  # torch.distributed.pipelining's fully_shard.state(m)
+    _adopt_nested_units(module, unit)
 
 
 def _adopt_nested_units(module: nn.Module, unit: FSDPUnit) -> None:
@@ -502,8 +517,8 @@ def _adopt_nested_units(module: nn.Module, unit: FSDPUnit) -> None:
     for prefix, sub in module.named_modules():
         if isinstance(sub, FSDPModule) and sub is not module:
             if sub._fsdp_unit.name_in_parent is None and sub is sub._fsdp_unit.modules[0]:
-                sub._fsdp_unit.name_in_parent = prefix  # the first (nearest) unit enclosing it
-            sub._fsdp_unit.is_root = False
+                sub._fsdp_unit.update(name_in_parent=prefix)  # the first (nearest) unit enclosing it
+            sub._fsdp_unit.update(is_root=False)
             sub._fsdp_unit.eager = unit.eager  # one eager state per root
             sub._fsdp_unit.set_module_fqn(sub, prefix)
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_compile.base.compat import fx_annotate
-from fsdp_compile.runtime.collectives import all_gather_as_bytes, gather_with_grad_sync
+from fsdp_compile.runtime.collectives import NO_ACCUMULATION, GradAccumulation, all_gather_as_bytes, gather_with_grad_sync
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_param import FSDPParam
@@ -163,27 +163,27 @@ def with_gradient_reduction(
     fsdp_param: FSDPParam,
     full: torch.Tensor,
     carrier: torch.Tensor | None,
-    pending: torch.Tensor | None = None,
-    accumulator: torch.Tensor | None = None,
-    partial_pending: torch.Tensor | None = None,
-    partial_accumulator: torch.Tensor | None = None,
+    accumulation: GradAccumulation = NO_ACCUMULATION,
 ) -> torch.Tensor:
     """``full`` whose gradient is reduced into the shard as any parameter's, through
     ``carrier`` (a tensor whose gradient reaches the sharded parameter): ``gather_with_grad_sync``
-    handed ``full`` as already gathered (accumulation arguments as there); ``full`` itself
+    handed ``full`` as already gathered (``accumulation`` as there); ``full`` itself
     where ``carrier`` is ``None`` (a frozen parameter, or no grad mode)."""
     if carrier is None:
         return full
-    return gather_with_grad_sync(carrier, fsdp_param.spec, pending, accumulator, full, partial_pending, partial_accumulator)
+    return gather_with_grad_sync(carrier, fsdp_param.spec, accumulation, kept=full)
 
 
 def gather_extension_with_grad(
-    fsdp_param: FSDPParam, source: torch.Tensor, carrier: torch.Tensor | None, *accumulation
+    fsdp_param: FSDPParam,
+    source: torch.Tensor,
+    carrier: torch.Tensor | None,
+    accumulation: GradAccumulation = NO_ACCUMULATION,
 ) -> torch.Tensor:
     """:func:`gather_extension_param` then :func:`with_gradient_reduction`."""
     with fx_annotate(fsdp_param.spec.meta):
         full = gather_extension_param(fsdp_param, source)
-    return with_gradient_reduction(fsdp_param, full, carrier, *accumulation)
+    return with_gradient_reduction(fsdp_param, full, carrier, accumulation)
 
 
 # [Note: side tensors of a traced gather] torchao 0.18's float8 weight wrapper keeps the
@@ -212,13 +212,16 @@ def traced_gather(fsdp_param: FSDPParam):
     local tensor's ``detach()``, ``side`` its side tensors (see [Note: side tensors of a
     traced gather])."""
 
+    # (The accumulation's fields as arguments of their own: an ``allow_in_graph`` function
+    # takes tensors.)
     def gather(source, side, carrier, pending, accumulator, partial_pending, partial_accumulator):
         if any(tensor is not None for tensor in side):
             source = source.detach()  # set on a tensor of our own, not on the graph's input
             for name, tensor in zip(SIDE_TENSOR_ATTRIBUTES, side, strict=True):
                 if tensor is not None:
                     setattr(source, name, tensor)
-        return gather_extension_with_grad(fsdp_param, source, carrier, pending, accumulator, partial_pending, partial_accumulator)
+        accumulation = GradAccumulation(pending, accumulator, partial_pending, partial_accumulator)
+        return gather_extension_with_grad(fsdp_param, source, carrier, accumulation)
 
     return torch.compiler.allow_in_graph(gather)
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from fsdp_compile._eager_buckets import regather_key
 from fsdp_compile._eager_collectives import gather_bucket_with_grad_sync
 from fsdp_compile.base.compat import set_composable_state
-from fsdp_compile.runtime.collectives import gather_with_grad_sync
+from fsdp_compile.runtime.collectives import GradAccumulation, gather_with_grad_sync
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_state import FSDPUnit
@@ -52,7 +52,10 @@ def reduce_accumulated(unit: FSDPUnit) -> None:
             sums = [p._grad_accumulator.grad for p in bucket]
             shards = [p._gather_input(p.sharded_param) for p in bucket]
             if key is None or len(bucket) == 1:
-                fulls += [gather_with_grad_sync(s, p.spec, g, kept=g) for s, p, g in zip(shards, bucket, sums, strict=True)]
+                fulls += [
+                    gather_with_grad_sync(s, p.spec, GradAccumulation(pending=g), kept=g)
+                    for s, p, g in zip(shards, bucket, sums, strict=True)
+                ]
             else:
                 fulls += gather_bucket_with_grad_sync(shards, [p.spec for p in bucket], pendings=sums, kept=sums)
     if fulls:

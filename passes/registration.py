@@ -46,7 +46,7 @@ from fsdp_compile.passes.report import write_graph_report, write_joint_record
 from fsdp_compile.passes.reshard import regather_from_post_forward_shards, tag_reshard_after_forward
 from fsdp_compile.passes.schedule import bucket_cap_bytes, schedule_collectives
 from fsdp_compile.passes.transport import lower_to_all_to_all
-from fsdp_compile.runtime.vocabulary import graph_name, our_collectives, units_in
+from fsdp_compile.runtime.vocabulary import graph_name, our_collectives, unit_names_in
 
 log = logging.getLogger("fsdp_compile.passes")
 
@@ -67,7 +67,7 @@ def fsdp_joint_pass(gm: fx.GraphModule, joint_inputs) -> fx.GraphModule:
     _warn_if_recompile(gm)
     _warn_if_graph_break(gm.graph)
     restore_backward_tags(gm.graph)  # (torch < 2.13 drops them)
-    if units_in(gm.graph):
+    if unit_names_in(gm.graph):
         save_random_ops_in_checkpointed_regions(gm)  # before our tags: only a checkpoint's are seen
     if config.reshard_pass:
         tag_reshard_after_forward(gm)
@@ -132,7 +132,7 @@ def _warn_if_graph_break(graph: fx.Graph) -> None:
     each is reported once. Right after ``torch._dynamo.reset()`` (which drops the
     watch on frame compiles) the breaks since the last look stand in, this once."""
     global _breaks_at_frame_start, _breaks_last_seen
-    units = units_in(graph)
+    units = unit_names_in(graph)
     if not units:
         return
     counts = dynamo_graph_break_counts()
@@ -162,7 +162,7 @@ def _warn_if_recompile(gm: fx.GraphModule) -> None:
     attempt = current_compile_attempt()
     if attempt is None or not attempt[1]:
         return
-    units = units_in(gm.graph)
+    units = unit_names_in(gm.graph)
     if not units:
         return
     warnings.warn(

@@ -1,15 +1,11 @@
 """Transport lowering: our all-gathers and reduce-scatters as all-to-alls, for gloo.
 
-gloo implements neither collective the way FSDP needs (torch 2.13-2.15,
-``ProcessGroupGloo``): ``reduce_scatter_tensor`` clones its whole input,
-all-reduces it (twice the bytes a reduce-scatter moves) and copies one chunk
-out; ``all_gather_into_tensor`` runs a list all-gather through flat staging
-buffers. Its ``all_to_all_single`` sends each destination its slice directly.
-On 2 loopback ranks (``python -m benchmarks.collectives``) a reduce-scatter ran
-1.5-2.8x faster as an all-to-all, an all-gather alone about as fast; in a
-compiled step, where gloo's threads share the cores with the compute, lowering
-both took the issue-14 Llama's step from 1.30-1.34x to 1.23-1.25x the
-compute-only limit (``BENCHMARKS.md``).
+gloo implements neither collective the way FSDP needs (``ProcessGroupGloo``):
+``reduce_scatter_tensor`` clones its whole input, all-reduces it (twice the bytes a
+reduce-scatter moves) and copies one chunk out; ``all_gather_into_tensor`` runs a list
+all-gather through flat staging buffers. Its ``all_to_all_single`` sends each
+destination its slice directly, so both are lowered to it (measured:
+``python -m benchmarks.collectives``, ``BENCHMARKS.md``).
 
 * all-gather of ``x`` (``[r, ...]``, world size ``w``) becomes an all-to-all of
   ``x`` repeated ``w`` times (every rank sends its shard to every rank): the

@@ -13,6 +13,7 @@ passes can tell our collectives from any other collective in the same graph
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -247,7 +248,7 @@ class _GatherWithGradSync(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(local, pending, accumulator, spec: CollectiveSpec, kept, partial_pending=None, partial_accumulator=None):
+    def forward(local, spec: CollectiveSpec, kept, pending, accumulator, partial_pending, partial_accumulator):
         # (Dynamo traces this at every parameter read: kept short on purpose.)
         if kept is not None:  # still gathered from the last forward (reshard_after_backward=False)
             return kept.view_as(kept)
@@ -261,7 +262,7 @@ class _GatherWithGradSync(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         # (A ``setup_context`` of its own: ``torch.func`` transforms need it. No ``jvp``:
         # Dynamo cannot trace a Function that defines one, and a parameter has no tangent.)
-        local, pending, accumulator, spec, kept, partial_pending, partial_accumulator = inputs
+        local, spec, kept, pending, accumulator, partial_pending, partial_accumulator = inputs
         ctx.spec, ctx.shard_dtype, ctx.sync = spec, local.dtype, accumulator is None
         ctx.has_pending, ctx.has_partial_pending = pending is not None, partial_pending is not None
         ctx.all_reduce = partial_accumulator is None
@@ -272,7 +273,7 @@ class _GatherWithGradSync(torch.autograd.Function):
     def backward(ctx, grad):
         spec = ctx.spec
         if not ctx.sync:
-            return None, None, grad.to(ctx.shard_dtype), None, None, None, None
+            return None, None, None, None, grad.to(ctx.shard_dtype), None, None
         with fx_annotate(spec.reduce_meta):
             grad = _gradient_to_reduce(ctx, grad, spec)
             if spec.layout is not None:
@@ -304,14 +305,35 @@ def _gradient_to_reduce(ctx, grad: torch.Tensor, spec: CollectiveSpec) -> torch.
     return grad
 
 
+class GradAccumulation(NamedTuple):
+    """Where a gathered parameter's gradient goes besides (or instead of) its reduction,
+    by the unit's sync modes (FSDP2's gradient accumulation):
+
+    * ``pending``: the unsharded gradient earlier micro-batches accumulated without sync,
+      added before this backward's reduce-scatter;
+    * ``accumulator``: gradient sync off: a leaf whose ``.grad`` collects the unsharded
+      gradient instead of reducing it;
+    * ``partial_pending``: what earlier micro-batches reduce-scattered without all-reducing
+      (HSDP), added before this backward's all-reduce;
+    * ``partial_accumulator``: all-reduce off (HSDP's ``set_requires_all_reduce(False)``): a
+      leaf collecting the reduce-scattered gradient instead of all-reducing it.
+    """
+
+    pending: torch.Tensor | None = None
+    accumulator: torch.Tensor | None = None
+    partial_pending: torch.Tensor | None = None
+    partial_accumulator: torch.Tensor | None = None
+
+
+#: No accumulation: the gradient is reduced into the shard (the common case).
+NO_ACCUMULATION = GradAccumulation()
+
+
 def gather_with_grad_sync(
     local: torch.Tensor,
     spec: CollectiveSpec,
-    pending: torch.Tensor | None = None,
-    accumulator: torch.Tensor | None = None,
+    accumulation: GradAccumulation = NO_ACCUMULATION,
     kept: torch.Tensor | None = None,
-    partial_pending: torch.Tensor | None = None,
-    partial_accumulator: torch.Tensor | None = None,
     key: str | None = None,
     direct: bool = False,
 ) -> torch.Tensor:
@@ -319,18 +341,11 @@ def gather_with_grad_sync(
     ``spec.layout.local_shape``; the whole tensor when ``spec.layout`` is ``None``);
     its gradient is reduced back (see :class:`_GatherWithGradSync`).
 
-    Gradient accumulation: with ``accumulator`` the gradient is not reduced but
-    accumulated into ``accumulator.grad``; ``pending`` (that accumulated
-    gradient) is added before the next reduction.
+    ``accumulation``: where the gradient goes besides its reduction (:class:`GradAccumulation`).
 
     ``kept``: the full tensor (dim 0 first, in ``param_dtype``) kept gathered since
     the last forward (``set_reshard_after_backward(False)``); returned instead of
     gathering, with the same backward.
-
-    HSDP accumulation without all-reduce: with ``partial_accumulator`` the reduce-scattered
-    gradient is not all-reduced but accumulated into ``partial_accumulator.grad``;
-    ``partial_pending`` (that accumulated shard gradient) is added before the next
-    all-reduce.
 
     ``key``: the :attr:`CollectiveSpec.key` of a spec equal to ``spec`` but for its tag's
     names, to trace the gather under (a sharded parameter not kept gathered).
@@ -340,14 +355,14 @@ def gather_with_grad_sync(
     """
     if kept is None and spec.layout is not None and not direct:
         # the common case: see gather_op
-        return gather_op(local, pending, accumulator, key or spec.key, partial_pending, partial_accumulator)
-    if spec.local_only and kept is None and pending is accumulator is partial_pending is partial_accumulator is None:
+        return gather_op(local, key or spec.key, *accumulation)
+    if spec.local_only and kept is None and accumulation is NO_ACCUMULATION:
         # A group of one rank, no accumulation: what the autograd function below computes,
         # forward and backward, without it (Dynamo traces that function and guards its
         # annotations at every parameter read).
         return local.view_as(local) if spec.param_dtype in (None, local.dtype) else local.to(spec.param_dtype)
     with fx_annotate(spec.meta):
-        return _GatherWithGradSync.apply(local, pending, accumulator, spec, kept, partial_pending, partial_accumulator)
+        return _GatherWithGradSync.apply(local, spec, kept, *accumulation)
 
 
 # The common gather as one opaque op for Dynamo. Dynamo speculates an
@@ -361,17 +376,17 @@ def gather_with_grad_sync(
 _SPECS_BY_KEY: dict[str, CollectiveSpec] = {}
 _LIBRARY = torch.library.Library("fsdp_compile", "DEF")
 _LIBRARY.define(
-    "gather_with_grad_sync(Tensor local, Tensor? pending, Tensor? accumulator, str spec, "
+    "gather_with_grad_sync(Tensor local, str spec, Tensor? pending=None, Tensor? accumulator=None, "
     "Tensor? partial_pending=None, Tensor? partial_accumulator=None) -> Tensor"
 )
 
 
 def _gather_with_grad_sync_op(
-    local, pending, accumulator, spec_key: str, partial_pending=None, partial_accumulator=None
+    local, spec_key: str, pending=None, accumulator=None, partial_pending=None, partial_accumulator=None
 ) -> torch.Tensor:
     spec = _SPECS_BY_KEY[spec_key]
     with fx_annotate(spec.meta):
-        return _GatherWithGradSync.apply(local, pending, accumulator, spec, None, partial_pending, partial_accumulator)
+        return _GatherWithGradSync.apply(local, spec, None, pending, accumulator, partial_pending, partial_accumulator)
 
 
 _LIBRARY.impl("gather_with_grad_sync", _gather_with_grad_sync_op, "CompositeImplicitAutograd")

@@ -322,6 +322,6 @@ def positions(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def units_in(graph: fx.Graph) -> list[str]:
+def unit_names_in(graph: fx.Graph) -> list[str]:
     """The units whose collectives ``graph`` holds, sorted."""
     return sorted({tag.unit_fqn for tag in map(tag_of, graph.nodes) if tag is not None})

@@ -118,17 +118,13 @@ class _AliasOfLocalTensor(torch.autograd.Function):
     """``DTensor.to_local()`` without the view: the local tensor's ``detach()``, which shares
     its storage and version counter but carries no autograd view metadata, so in-place
     writes to the parameter (optimizer steps) never make autograd regenerate its
-    ``grad_fn`` (torch 2.11 refuses to for a view made in a custom Function: "Output 0 of
-    _ToTorchTensorBackward is a view and its base ... has been modified inplace").
-    Backward: the gradient as a ``DTensor`` of the parameter's placements, as ``to_local``'s:
-    the parameter's own spec (mesh, placements, global shape, stride and dtype: what
-    ``from_local`` would build again) around the gradient. It runs once per parameter per
-    step: ``from_local`` (an autograd ``Function`` of its own, with argument checks) cost
-    ~70 us a call, and ``DTensor(...)`` goes through two wrappers of an ``__init__`` that
-    only matters to ``torch.export`` (torch/distributed/tensor/_api.py), so the gradient is
-    made by ``DTensor.__new__`` itself. ``on_backward()`` (if given) is called first, at
-    every backward (``FSDPParam`` checks there whether the parameter was frozen since; no
-    reference to the parameter is kept here: a weak one would stop ``swap_tensors``)."""
+    ``grad_fn`` (which torch refuses for a view made in a custom Function).
+    Backward: the gradient as a ``DTensor`` of the parameter's own spec (what
+    ``from_local`` would build, made by ``DTensor.__new__`` directly: this runs once per
+    parameter per step, and ``from_local`` is an autograd Function with argument checks).
+    ``on_backward()`` (if given) is called first, at every backward (``FSDPParam`` checks
+    there whether the parameter was frozen since; no reference to the parameter is kept
+    here: a weak one would stop ``swap_tensors``)."""
 
     @staticmethod
     def forward(dtensor, on_backward, spec):

@@ -69,16 +69,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    backend: str,
-    conn: Connection,
-    pg_timeout_s: float,
-    stack_file: str,
-    environ: dict[str, str],
-) -> None:
+def _set_up_rank_process(rank: int, world_size: int, port: int, backend: str, stack_file: str, environ: dict[str, str]):
+    """What a rank process sets before it joins the group: the parent's environment and
+    the rendezvous variables, stack dumps on a hang or a crash, and how it compiles.
+    Returns the open stack file (kept open for the process's life)."""
     # A forked rank inherits the forkserver's environment, from when it started: take
     # the parent's, as a spawned rank would.
     os.environ.clear()
@@ -97,9 +91,8 @@ def _worker_main(
         LOCAL_RANK=str(rank),
     )
     import torch
-    import torch.distributed as dist
 
-    from fsdp_compile.testing._torch_internals import compile_in_this_process, reset_dynamo, skip_side_effect_messages
+    from fsdp_compile.testing._torch_internals import compile_in_this_process, skip_side_effect_messages
 
     torch.set_num_threads(1)
     # By default each rank would compile in a pool of subprocesses of its own; with
@@ -116,6 +109,24 @@ def _worker_main(
         from fsdp_compile.testing._torch_internals import register_fake_process_group
 
         register_fake_process_group()
+    return stacks
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    conn: Connection,
+    pg_timeout_s: float,
+    stack_file: str,
+    environ: dict[str, str],
+) -> None:
+    stacks = _set_up_rank_process(rank, world_size, port, backend, stack_file, environ)  # noqa: F841 - kept open
+    import torch.distributed as dist
+
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
     conn.send(("ready", None))
     while True:
