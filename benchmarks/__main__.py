@@ -4,6 +4,7 @@ Each benchmark runs in its own Python process (they start rank pools or a
 ``fake`` process group of their own), in this order, and its output is
 printed under a heading with the command that reproduces it and its run time:
 
+* ``optimizer_step`` the optimizer step alone, eager and ``torch.compile(opt.step)``;
 * ``step_time``    step time, tokens/s, compile time and graphs: FSDP2 eager,
                    FSDP2 + torch.compile, ours eager / compiled (2 CPU ranks, loopback);
 * ``breakdown``    where the compiled step's time goes, against the compute-only limit;
@@ -42,6 +43,7 @@ from benchmarks._common import benchmark_parser
 
 BENCHMARKS = [
     "step_time",
+    "optimizer_step",
     "breakdown",
     "shaped_link",
     "memory",
@@ -55,6 +57,7 @@ BENCHMARKS = [
 ]
 QUICK_ARGS = {
     "step_time": ["--quick"],
+    "optimizer_step": ["--quick"],
     "breakdown": ["--quick", "--model", "hf-llama"],  # step_time --quick covers our Llama
     "shaped_link": ["--quick", "--rates", "1gbit"],
     "memory": ["--quick"],

@@ -7,7 +7,7 @@ can schedule. The API mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2).
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_compile import debug  # noqa: F401  (fsdp_compile.debug.dump)
+from fsdp_compile import config, debug  # noqa: F401  (fsdp_compile.config.<option>, fsdp_compile.debug.dump)
 from fsdp_compile._fsdp2_tuning import GradientReductionHandle
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fully_shard import (

@@ -98,3 +98,32 @@ def test_layers_import_only_what_is_below_them():
                 wrong[f"{folder}/{path.name}"] = bad
     assert wrong == {}, wrong
     assert len(list((root / "runtime").glob("*.py"))) > 3 and len(list((root / "passes").glob("*.py"))) > 3
+
+
+def test_public_modules_are_attributes_of_the_package():
+    """``import fsdp_compile`` alone gives ``fsdp_compile.config`` (the one options module the
+    passes read, also as ``import fsdp_compile.config``) and ``fsdp_compile.debug``."""
+    code = (
+        "import fsdp_compile, sys\n"
+        "import fsdp_compile.base.config as base\n"
+        "assert fsdp_compile.config is base is sys.modules['fsdp_compile.config'], fsdp_compile.config\n"
+        "import fsdp_compile.config as c\n"
+        "assert c is base\n"
+        "assert callable(fsdp_compile.debug.dump)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+
+
+def test_no_library_function_is_longer_than_60_lines():
+    """The library stays readable one function at a time (FSDP2's layout, smaller pieces)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    long = []
+    for folder in ("fsdp_compile", "runtime", "passes"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == [], long
