@@ -13,6 +13,7 @@ side effect; nothing of them survives into the next step.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -214,8 +215,10 @@ class FSDPUnit:
             fsdp_param.refresh_spec()
 
 
-class _ForwardContext:
-    """Process-wide stack of running sharded forwards and what each gathered.
+class _ForwardContext(threading.local):
+    """This thread's stack of running sharded forwards and what each gathered (one per
+    thread: ranks run as threads of one process each have their own; a
+    ``threading.local``, whose attributes Dynamo reads as an object's).
 
     A parameter's full tensor is cached in the innermost running sharded
     forward that read it, and dropped when that forward returns: a weight read

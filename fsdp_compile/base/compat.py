@@ -18,10 +18,27 @@ import torch._functorch.config as functorch_config
 # must be passed to wait_tensor before use).
 c10d_functional = torch.ops._c10d_functional
 
-# torch/fx/traceback.py: attach a dict to node.meta["custom"] of every FX node
-# traced inside the context; Dynamo supports it and AOTAutograd carries it into
-# the joint graph, which is how passes recognise the nodes our runtime emitted.
-from torch.fx.traceback import annotate as fx_annotate  # noqa: E402
+from torch.fx.traceback import annotate as _annotate  # noqa: E402
+
+
+def fx_annotate(meta: dict):
+    """torch/fx/traceback.py ``annotate``: attach ``meta`` to ``node.meta["custom"]`` of every
+    FX node traced inside the context (Dynamo supports it and AOTAutograd carries it into
+    the joint graph: how passes recognise the nodes our runtime emitted). Only while a
+    graph is being traced (by Dynamo, or by ``make_fx``: AOTAutograd's joint graph,
+    compiled autograd); elsewhere a ``nullcontext``. ``annotate`` writes one process-wide
+    dict, which eager code running on several threads (ranks as threads) would leave
+    changed for every later trace."""
+    if torch.compiler.is_compiling() or _proxy_mode() is not None:
+        return _annotate(meta)
+    return contextlib.nullcontext()
+
+
+def _proxy_mode():
+    """torch/fx/experimental/proxy_tensor.py: the ``make_fx`` tracing mode running, if any."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode()
 
 # torch/utils/_pytree.py: map over nested containers (Dynamo traces it).
 from torch.utils._pytree import tree_map  # noqa: E402

@@ -1,0 +1,96 @@
+"""Ranks as threads of one process (torch's ``MultiThreadedTestCase`` / ``FSDPTestMultiThread``,
+the ``threaded`` process group): each thread-rank trains its own sharded model, and what a
+running forward gathers is kept per thread, so the ranks do not see each other's forwards."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORLD_SIZE = 2
+
+
+def _model() -> torch.nn.Module:
+    """Three blocks of two linears with rows that do not divide by the world size."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.ReLU(), torch.nn.Linear(7, 8)) for _ in range(3)]
+    )
+
+
+def _train(base: torch.nn.Module, backend: str | None, steps: int = 3) -> float:
+    """On this thread-rank: ``base`` sharded per block and unsharded, trained alike with two
+    micro-batches a step (the first without gradient sync) on the same batches on every
+    rank (so the averaged gradient is the unsharded one); the largest parameter difference."""
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing import full_tensor
+
+    reference, model = copy.deepcopy(base), copy.deepcopy(base)
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    run = torch.compile(model, backend=backend) if backend else model
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.1), torch.optim.AdamW(reference.parameters(), lr=0.1)
+    for step in range(steps):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            # (A generator of its own: the global one is shared by the threads.)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+            run(x).sum().backward()
+            reference(x).sum().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return max((full_tensor(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def _run_as_threads(fn, *args) -> list:
+    """``fn(*args)`` on ``WORLD_SIZE`` threads, each a rank of a ``threaded`` process group
+    (as torch's ``MultiThreadedTestCase`` sets them up); each rank's result, or raises
+    with every failing rank's traceback."""
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    results: dict[int, tuple[str, object]] = {}
+    store = dist.HashStore()
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=WORLD_SIZE, store=store)
+            results[rank] = ("ok", fn(*args))
+        except BaseException:  # noqa: BLE001 - reported below
+            results[rank] = ("error", traceback.format_exc())
+        finally:
+            dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    try:
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(WORLD_SIZE)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a thread-rank hung"
+    finally:
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    assert not failures, "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+    return [results[rank][1] for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_ranks_as_threads_train_like_the_unsharded_model(backend):
+    """Eager and compiled (``aot_eager``: bitwise eager), with gradient accumulation and
+    uneven shards: every thread-rank's parameters equal its unsharded model's, bitwise."""
+    base = _model()  # built once: the threads share the global random generator
+    assert _run_as_threads(_train, base, backend) == [0.0] * WORLD_SIZE
+    # Nothing the threads traced or ran leaves an annotation behind for later traces
+    # (torch's ``fx.traceback.annotate`` keeps it in one process-wide dict).
+    assert "custom" not in torch.fx.traceback.current_meta, torch.fx.traceback.current_meta
