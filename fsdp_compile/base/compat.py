@@ -40,6 +40,7 @@ def _proxy_mode():
 
     return get_proxy_mode()
 
+
 # torch/utils/_pytree.py: map over nested containers (Dynamo traces it).
 from torch.utils._pytree import tree_map  # noqa: E402
 
