@@ -20,7 +20,7 @@ from fsdp_compile._eager_collectives import bucket_key as _collective_bucket_key
 from fsdp_compile._eager_reduce import defers_reduction
 from fsdp_compile._fsdp_state import forward_context, warn_gathered_in_broken_graph
 from fsdp_compile._low_precision import gather_extension_params
-from fsdp_compile.base.compat import fx_annotate, local_tensor_of
+from fsdp_compile.base.compat import NO_ANNOTATION, annotating, fx_annotate, local_tensor_of
 from fsdp_compile.runtime.vocabulary import Role
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
     pendings = [None if p._grad_accumulator is None else p._grad_accumulator.grad for p in fsdp_params]
     kept = [p.still_gathered() for p in fsdp_params]
     kept = None if kept[0] is None else kept
-    with fx_annotate(first.spec.tag.as_meta()):
+    with fx_annotate(first.spec.tag.as_meta()) if annotating() else NO_ANNOTATION:
         if not first.unit.requires_gradient_sync and shards[0].requires_grad and torch.is_grad_enabled():
             accumulators = [p._grad_accumulator for p in fsdp_params]
             fulls = gather_bucket_with_grad_sync(
@@ -97,7 +97,7 @@ def issue_bucket_gather(fsdp_params: list[FSDPParam], role: Role = Role.UNSHARD)
     waiting for it: eager prefetch, for :func:`gather_bucket` (``Role.UNSHARD``) or
     :func:`gather_bucket_without_autograd` (``Role.REGATHER``) to wait on later."""
     first = fsdp_params[0]
-    with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(role)):
+    with torch.no_grad(), fx_annotate(first.spec.tag.as_meta(role)) if annotating() else NO_ANNOTATION:
         shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
         return issue_all_gather_bucket(shards, [p.layout for p in fsdp_params], first.spec.param_dtype)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_compile.base.compat import c10d_functional, fx_annotate
+from fsdp_compile.base.compat import NO_ANNOTATION, annotating, c10d_functional, fx_annotate
 from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in
 from fsdp_compile.runtime.collectives import (
     CollectiveSpec,
@@ -224,7 +224,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
         members = [i for i, g in enumerate(grads) if g is not None]
         if not members:  # every output reached backward without a gradient: nothing to reduce
             return (None,) * (_OPTIONS + ctx.n_tensors)
-        with fx_annotate(first.reduce_meta):
+        with fx_annotate(first.reduce_meta) if annotating() else NO_ANNOTATION:
 
             def issue() -> ReduceScatterInFlight:
                 return issue_reduce_scatter_bucket(

@@ -37,7 +37,9 @@ from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
 from fsdp_compile.base.compat import (
+    NO_ANNOTATION,
     alias_of_local_tensor,
+    annotating,
     functorch_transforms_active,
     fx_annotate,
     local_tensor_of,
@@ -430,7 +432,7 @@ class FSDPParam:
         """The full tensor again from :meth:`post_forward_shard`'s blocks, gathered over the
         smaller group (eager backward)."""
         name, size, _ = self.unit.reshard_to
-        with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)):
+        with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)) if annotating() else NO_ANNOTATION:
             return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
     # [Note: plain graph inputs] A traced gather reads :attr:`local_view`: an alias of the

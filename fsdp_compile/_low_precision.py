@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from fsdp_compile.base.compat import fx_annotate
+from fsdp_compile.base.compat import NO_ANNOTATION, annotating, fx_annotate
 from fsdp_compile.runtime.collectives import NO_ACCUMULATION, GradAccumulation, all_gather_as_bytes, gather_with_grad_sync
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def gather_extension_with_grad(
     accumulation: GradAccumulation = NO_ACCUMULATION,
 ) -> torch.Tensor:
     """:func:`gather_extension_param` then :func:`with_gradient_reduction`."""
-    with fx_annotate(fsdp_param.spec.meta):
+    with fx_annotate(fsdp_param.spec.meta) if annotating() else NO_ANNOTATION:
         full = gather_extension_param(fsdp_param, source)
     return with_gradient_reduction(fsdp_param, full, carrier, accumulation)
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from fsdp_compile.base.compat import c10d_functional, fx_annotate, issue_c10d_collective
+from fsdp_compile.base.compat import NO_ANNOTATION, annotating, c10d_functional, fx_annotate, issue_c10d_collective
 from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.bucket_copies import pad_dim0
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
@@ -274,7 +274,7 @@ class _GatherWithGradSync(torch.autograd.Function):
         spec = ctx.spec
         if not ctx.sync:
             return None, None, None, None, grad.to(ctx.shard_dtype), None, None
-        with fx_annotate(spec.reduce_meta):
+        with fx_annotate(spec.reduce_meta) if annotating() else NO_ANNOTATION:
             grad = _gradient_to_reduce(ctx, grad, spec)
             if spec.layout is not None:
                 grad = _reduce_scatter(grad, spec.layout, spec.reduce_op)
@@ -283,11 +283,11 @@ class _GatherWithGradSync(torch.autograd.Function):
         if ctx.has_partial_pending:
             grad = grad + ctx.saved_tensors[1]
         if spec.reduce_group_names:
-            with fx_annotate(spec.all_reduce_meta):
+            with fx_annotate(spec.all_reduce_meta) if annotating() else NO_ANNOTATION:
                 for group_name in spec.reduce_group_names:
                     grad = c10d_functional.wait_tensor(issue_all_reduce(grad.contiguous(), spec.reduce_op, group_name))
         if grad.dtype != ctx.shard_dtype:
-            with fx_annotate(spec.reduce_meta):
+            with fx_annotate(spec.reduce_meta) if annotating() else NO_ANNOTATION:
                 grad = grad.to(ctx.shard_dtype)
         return grad, None, None, None, None, None, None
 
@@ -361,7 +361,7 @@ def gather_with_grad_sync(
         # forward and backward, without it (Dynamo traces that function and guards its
         # annotations at every parameter read).
         return local.view_as(local) if spec.param_dtype in (None, local.dtype) else local.to(spec.param_dtype)
-    with fx_annotate(spec.meta):
+    with fx_annotate(spec.meta) if annotating() else NO_ANNOTATION:
         return _GatherWithGradSync.apply(local, spec, kept, *accumulation)
 
 
@@ -385,7 +385,7 @@ def _gather_with_grad_sync_op(
     local, spec_key: str, pending=None, accumulator=None, partial_pending=None, partial_accumulator=None
 ) -> torch.Tensor:
     spec = _SPECS_BY_KEY[spec_key]
-    with fx_annotate(spec.meta):
+    with fx_annotate(spec.meta) if annotating() else NO_ANNOTATION:
         return _GatherWithGradSync.apply(local, spec, None, pending, accumulator, partial_pending, partial_accumulator)
 
 

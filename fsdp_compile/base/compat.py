@@ -18,27 +18,27 @@ import torch._functorch.config as functorch_config
 # must be passed to wait_tensor before use).
 c10d_functional = torch.ops._c10d_functional
 
-from torch.fx.traceback import annotate as _annotate  # noqa: E402
+# torch/fx/traceback.py: attach a dict to node.meta["custom"] of every FX node
+# traced inside the context; Dynamo supports it and AOTAutograd carries it into
+# the joint graph, which is how passes recognise the nodes our runtime emitted. It
+# writes one process-wide dict: code that runs eagerly too enters it only while a graph
+# is traced (``with fx_annotate(meta) if annotating() else NO_ANNOTATION:``), since eager
+# code on several threads (ranks as threads) would leave it changed for later traces.
+# Called where the ``with`` is, not returned from a helper: Dynamo handles the call there.
+from torch.fx.traceback import annotate as fx_annotate  # noqa: E402
+
+#: What code that runs eagerly too enters instead of :func:`fx_annotate` when nothing is traced.
+NO_ANNOTATION = contextlib.nullcontext()
 
 
-def fx_annotate(meta: dict):
-    """torch/fx/traceback.py ``annotate``: attach ``meta`` to ``node.meta["custom"]`` of every
-    FX node traced inside the context (Dynamo supports it and AOTAutograd carries it into
-    the joint graph: how passes recognise the nodes our runtime emitted). Only while a
-    graph is being traced (by Dynamo, or by ``make_fx``: AOTAutograd's joint graph,
-    compiled autograd); elsewhere a ``nullcontext``. ``annotate`` writes one process-wide
-    dict, which eager code running on several threads (ranks as threads) would leave
-    changed for every later trace."""
-    if torch.compiler.is_compiling() or _proxy_mode() is not None:
-        return _annotate(meta)
-    return contextlib.nullcontext()
-
-
-def _proxy_mode():
-    """torch/fx/experimental/proxy_tensor.py: the ``make_fx`` tracing mode running, if any."""
+def annotating() -> bool:
+    """Whether a graph is being traced now, so :func:`fx_annotate` has nodes to annotate: by
+    Dynamo, or by ``make_fx`` (AOTAutograd's joint graph, compiled autograd)."""
+    if torch.compiler.is_compiling():
+        return True
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode()
+    return get_proxy_mode() is not None
 
 
 # torch/utils/_pytree.py: map over nested containers (Dynamo traces it).
@@ -550,6 +550,8 @@ __all__ = [
     "c10d_functional",
     "place_in_backward",
     "fx_annotate",
+    "annotating",
+    "NO_ANNOTATION",
     "CheckpointPolicy",
     "get_joint_custom_pass",
     "set_joint_custom_pass",
