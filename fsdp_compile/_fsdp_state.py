@@ -169,16 +169,26 @@ class FSDPUnit:
     def __post_init__(self) -> None:
         if not self.module_fqns:
             self.module_fqns = [""] * len(self.modules)
+        object.__setattr__(self, "_built", True)  # from here on, spec options go through update()
 
     def update(self, **fields) -> None:
         """Set fields; if one of :data:`SPEC_OPTIONS` is among them, rebuild every parameter's
-        collective spec from the new values (write those fields through here only)."""
+        collective spec from the new values (those fields are written through here only)."""
         for name, value in fields.items():
             if not hasattr(self, name):
                 raise AttributeError(f"FSDPUnit has no field {name!r}")
-            setattr(self, name, value)
+            object.__setattr__(self, name, value)
         if SPEC_OPTIONS.intersection(fields):
             self._rebuild_specs()
+
+    def __setattr__(self, name: str, value) -> None:
+        # A spec option written directly would leave every parameter's spec stale.
+        if name in SPEC_OPTIONS and "_built" in self.__dict__:
+            raise AttributeError(
+                f"FSDPUnit.{name} is baked into its parameters' collective specs: set it with "
+                f"unit.update({name}=...), which rebuilds them"
+            )
+        object.__setattr__(self, name, value)
 
     @property
     def fqn(self) -> str:

@@ -478,6 +478,8 @@ def test_specs_follow_the_units_options(fake_pg):
     assert first.fqn == "layers.0"
     assert all(p.spec.tag.forward_prefetched_by == "layers.0" for p in second.params)
     assert all(p.spec.tag.param_fqn.startswith("layers.1.") for p in second.params)
+    with pytest.raises(AttributeError, match=r"unit.update\(gradient_divide_factor=...\)"):
+        first.gradient_divide_factor = 4.0  # would leave the specs stale
     first.update(gradient_divide_factor=4.0)
     assert all(p.spec.reduce_op == "sum" and p.spec.grad_scale == 0.25 for p in first.params)
     blocks.set_reshard_after_forward(False)
