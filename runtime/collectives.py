@@ -356,7 +356,8 @@ def gather_with_grad_sync(
     if kept is None and spec.layout is not None and not direct:
         # the common case: see gather_op
         return gather_op(local, key or spec.key, *accumulation)
-    if spec.local_only and kept is None and accumulation is NO_ACCUMULATION:
+    a = accumulation
+    if spec.local_only and kept is None and a.pending is a.accumulator is a.partial_pending is a.partial_accumulator is None:
         # A group of one rank, no accumulation: what the autograd function below computes,
         # forward and backward, without it (Dynamo traces that function and guards its
         # annotations at every parameter read).
