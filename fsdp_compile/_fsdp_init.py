@@ -21,7 +21,7 @@ from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, compute_device
 from fsdp_compile._low_precision import check_param_type
 from fsdp_compile._tensor_parallel import check_tensor_parallel_param
-from fsdp_compile.base.compat import flat_group_of
+from fsdp_compile.base.compat import composable_apis_applied, flat_group_of
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
 # Set on an original (unsharded) nn.Parameter once it is sharded, so that a
@@ -177,9 +177,9 @@ class OwnedParam(NamedTuple):
 def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit) -> list[OwnedParam]:
     """Every parameter this unit manages.
 
-    Skips subtrees already sharded by an earlier (nested) call; parameters
-    owned by those units but also held here (tied weights) are included with
-    their existing FSDPParam, which then serves both units.
+    Skips subtrees already sharded by an earlier (nested) call, or given to torch's
+    ``replicate()``; parameters owned by those units but also held here (tied
+    weights) are included with their existing FSDPParam, which then serves both units.
     """
     owned = []
     for module_index, root in enumerate(modules):
@@ -194,6 +194,8 @@ def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit
                 )
             if mod is not root and _is_sharded_module(mod):
                 continue  # a nested unit owns this subtree
+            if mod is not root and "replicate" in composable_apis_applied(mod):
+                continue  # torch's replicate() (DDP) owns this subtree, as FSDP2 leaves it
             for name, param in mod._parameters.items():
                 if param is None or param in ignored:
                     continue

@@ -575,3 +575,54 @@ def test_pipelinings_gradient_reduction_step_reduces_our_accumulated_gradients(p
     call left the gradients unreduced: silently wrong)."""
     for got, expected in zip(pool2.run(pipelining_micro_batches, "ours"), pool2.run(pipelining_micro_batches, "fsdp2"), strict=True):
         _close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def train_beside_torchs_replicate(kind: str, layout: str) -> dict:
+    """Three MLPs trained with torch's composable ``replicate()`` (DDP) beside ``fully_shard``
+    (``kind``'s): ``"replicate-inside"`` replicates ``model[0]`` before the root is sharded
+    (the root's unit must leave that subtree to DDP, as FSDP2's does); ``"units-inside"``
+    shards two MLPs, then replicates the root (DDP must leave our units alone)."""
+    import torch.distributed as dist
+    from torch.distributed._composable import replicate
+
+    fully_shard = fully_shard_of(kind)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(3)))
+    if layout == "replicate-inside":
+        replicate(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+    else:
+        fully_shard(model[1])
+        fully_shard(model[2])
+        replicate(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(STEPS):
+        loss = model(torch.randn(4, 8, generator=gen)).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    kinds = [type(p).__name__ for p in model.parameters()]
+    local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "kinds": kinds, "local": local}
+
+
+@pytest.mark.parametrize("layout", ["replicate-inside", "units-inside"])
+def test_torchs_replicate_composes_with_our_units_as_with_fsdp2s(pool2, layout):
+    """torch's ``replicate()`` and ``fully_shard`` split a model between them as with FSDP2:
+    each leaves the other's modules alone (torch's composable registry names our units
+    ``fully_shard``); losses, which parameters are ``DTensor``s, and every rank's local
+    parameters after 3 steps are bitwise FSDP2's."""
+    for ours, fsdp2 in zip(
+        pool2.run(train_beside_torchs_replicate, "ours", layout),
+        pool2.run(train_beside_torchs_replicate, "fsdp2", layout),
+        strict=True,
+    ):
+        assert ours["kinds"] == fsdp2["kinds"] and "Parameter" in ours["kinds"] and "DTensor" in ours["kinds"]
+        assert ours["losses"] == fsdp2["losses"]
+        assert ours["local"].keys() == fsdp2["local"].keys()
+        for name in ours["local"]:
+            assert torch.equal(ours["local"][name], fsdp2["local"][name]), name

@@ -188,11 +188,24 @@ def set_composable_state(module, api, state) -> None:
     kept in ``module.__dict__`` under ``STATE_KEY``, keyed by the undecorated function,
     which ``api.state`` closes over)."""
     import inspect
+    from collections import OrderedDict
 
-    from torch.distributed._composable.contract import STATE_KEY
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY, RegistryItem
 
     func = inspect.getclosurevars(api.state).nonlocals["func"]
     module.__dict__.setdefault(STATE_KEY, {})[func] = state
+    # ``@contract`` also names the API in the module's registry (``_get_registry``), which
+    # torch's ``replicate()`` reads to leave a ``"fully_shard"`` subtree to it.
+    module.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault(func.__name__, RegistryItem())
+
+
+def composable_apis_applied(module) -> tuple[str, ...]:
+    """torch/distributed/_composable/contract.py ``_get_registry``: the names of the
+    ``@contract`` composable APIs applied to ``module`` (e.g. ``"replicate"`` after torch's
+    ``torch.distributed._composable.replicate``)."""
+    from torch.distributed._composable.contract import _get_registry
+
+    return tuple(_get_registry(module) or ())
 
 
 def is_functorch_wrapper(t: torch.Tensor) -> bool:
@@ -533,6 +546,7 @@ __all__ = [
     "device_mesh_class",
     "functorch_transforms_active",
     "set_composable_state",
+    "composable_apis_applied",
     "is_functorch_wrapper",
     "issue_c10d_collective",
     "group_rank",
