@@ -5,7 +5,7 @@ all-gather and reduce-scatter is a functional collective that our FX passes
 can schedule. The API mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2).
 """
 
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_compile import config, debug  # noqa: F401  (fsdp_compile.config.<option>, fsdp_compile.debug.dump)
 from fsdp_compile._fsdp2_tuning import GradientReductionHandle
@@ -32,6 +32,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "UnshardHandle",

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, compute_device
 from fsdp_compile._low_precision import check_param_type
-from fsdp_compile._tensor_parallel import check_tensor_parallel_param
+from fsdp_compile._tensor_parallel import check_spmd_param, check_tensor_parallel_param
 from fsdp_compile.base.compat import composable_apis_applied, flat_group_of
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
@@ -203,6 +203,10 @@ def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit
                 existing = _existing_fsdp_param(mod, name, param)
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
+                elif unit.dp_mesh.spmd_mesh is not None:
+                    check_spmd_param(
+                        param, fqn, unit.dp_mesh.spmd_mesh, unit.dp_mesh.spmd_data_parallel_dims, _unit_name(modules)
+                    )
                 elif isinstance(param, DTensor):
                     check_tensor_parallel_param(param, fqn, unit.mesh, _unit_name(modules))
                 owned.append(OwnedParam(mod, name, param, fqn, module_index))

@@ -120,7 +120,9 @@ class FSDPParam:
         self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
         dp = unit.dp_mesh
-        tp = self.tensor_parallel = TensorParallelSpec.of(param) if isinstance(param, DTensor) else None
+        tp = self.tensor_parallel = (
+            TensorParallelSpec.of(param, dp.spmd_data_parallel_dims) if isinstance(param, DTensor) else None
+        )
         data = (param if tp is None else param.to_local()).detach()
         self.shard_dim = shard_dim
         # [Note: complex parameters] Collectives move a complex parameter as its real view
@@ -179,7 +181,7 @@ class FSDPParam:
             dp.placements(
                 sharded=ndim != 0 and dp.shards,
                 shard_dim=self.shard_dim,
-                tp_placements=() if tp is None else tp.placements,
+                tp_placements=() if tp is None else tp.tensor_parallel_placements,
                 tp_shards=1 if tp is None else tp.shards_on(self.shard_dim),
             ),
             run_check=False,

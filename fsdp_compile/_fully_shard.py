@@ -51,6 +51,7 @@ from fsdp_compile._fsdp_state import (
 from fsdp_compile._local_shard_optimizer import install_default_local_step
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile._pipelining import register_pipelining_view
+from fsdp_compile._tensor_parallel import data_parallel_sub_mesh
 from fsdp_compile.base.compat import (
     allow_side_effects,
     in_backward_recompute,
@@ -400,19 +401,17 @@ def fully_shard(
             gradients (and so optimizer state) on the CPU and copies each shard
             to the mesh's device right before its all-gather.
         ignored_params: parameters left unsharded and unmanaged.
-        dp_mesh_dims: FSDP2's SPMD-mesh mode (torch 2.13: modules compute on DTensors of
-            the full mesh) is not supported and raises; pass the data-parallel sub-mesh
-            as ``mesh`` (with tensor parallelism applied first on the other dims).
+        dp_mesh_dims: FSDP2's SPMD mesh (``DataParallelMeshDims(shard="dp", replicate=None)``):
+            ``mesh`` is the full mesh, every parameter is a ``DTensor`` on it with
+            ``Replicate()`` on the named dims, modules compute on ``DTensor``s of it, and
+            FSDP shards over ``shard`` (all-reducing over ``replicate``, HSDP). One dim
+            each, leading the mesh in the order (replicate, shard).
     """
+    spmd_mesh = None
     if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard({_unit_name(_as_module_list(module))}, dp_mesh_dims=...): FSDP2's SPMD-mesh mode (modules "
-            "computing on DTensors of the full mesh) is not supported; pass the data-parallel sub-mesh instead, "
-            "e.g. fully_shard(block, mesh=mesh['dp']) after parallelize_module(block, mesh['tp'], plan)"
-        )
-    return _shard_as_one_unit(
-        module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, shard=True
-    )
+        spmd_mesh, mesh = mesh, data_parallel_sub_mesh(mesh, dp_mesh_dims, _unit_name(_as_module_list(module)))
+    options = (reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
+    return _shard_as_one_unit(module, mesh, *options, shard=True, spmd_mesh=spmd_mesh)
 
 
 def replicate(
@@ -435,7 +434,7 @@ def replicate(
 
 
 def _shard_as_one_unit(
-    module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard
+    module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard, spmd_mesh=None
 ):
     # Our passes join torch.compile's pipeline when the first module is sharded, not at import;
     # again at every call: torch._dynamo.reset() forgets part of it (see install_passes).
@@ -456,7 +455,7 @@ def _shard_as_one_unit(
     unit = FSDPUnit(
         modules=modules,
         mesh=mesh,
-        dp_mesh=DataParallelMesh(mesh, shard=shard),
+        dp_mesh=DataParallelMesh(mesh, shard=shard, spmd_mesh=spmd_mesh),
         devices=ShardDevices(
             compute_device(mesh),
             offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),

@@ -255,24 +255,6 @@ def recover_after_aborted_steps(kind: str) -> dict:
     return {"clean": train(False), "after_aborts": train(True), "left": left}
 
 
-def dp_mesh_dims_error() -> tuple[str, str, bool]:
-    """``dp_mesh_dims`` (FSDP2's SPMD-mesh mode) raises, naming the unit, changing nothing."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import DataParallelMeshDims
-
-    from fsdp_compile import fully_shard
-    from fsdp_compile.testing.models import MLPStack
-
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = MLPStack(dim=4, n_layers=1)
-    try:
-        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-        kind, message = "no error", ""
-    except Exception as e:  # noqa: BLE001
-        kind, message = type(e).__name__, str(e)
-    return kind, message, type(model) is MLPStack and type(model.layers[0].weight) is nn.Parameter
-
-
 # ---------------------------------------------------------------- tests
 
 
@@ -303,9 +285,9 @@ def test_every_public_name_of_torchs_fsdp_package_that_applies_exists():
 
     import fsdp_compile
 
-    # FSDP1's API, and DataParallelMeshDims (the SPMD-mesh mode fully_shard rejects)
+    # FSDP1's API
     not_applicable = {n for n in torch_fsdp.__all__ if n in dir(torch.distributed.fsdp.fully_sharded_data_parallel)}
-    missing = [n for n in torch_fsdp.__all__ if not hasattr(fsdp_compile, n) and n not in not_applicable | {"DataParallelMeshDims"}]
+    missing = [n for n in torch_fsdp.__all__ if not hasattr(fsdp_compile, n) and n not in not_applicable]
     assert missing == []
 
 
@@ -394,12 +376,6 @@ def test_reset_iter_state_recovers_from_an_aborted_forward_and_backward(pool2, k
         if kind == "ours":
             assert left["backward"] > 0, left  # the aborted backward left reductions and re-gathers
         assert left["forward, after reset"] == left["backward, after reset"] == 0, left
-
-
-def test_dp_mesh_dims_raises_naming_the_unit_and_changes_nothing(pool2):
-    kind, message, untouched = pool2.run(dp_mesh_dims_error)[0]
-    assert kind == "NotImplementedError" and "fully_shard(MLPStack, dp_mesh_dims=...)" in message, message
-    assert "mesh=mesh['dp']" in message and untouched
 
 
 def accumulation_collectives(kind: str, backend: str | None) -> dict:
