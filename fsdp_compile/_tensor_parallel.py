@@ -90,10 +90,11 @@ class TensorParallelSpec:
 def check_tensor_parallel_param(param: DTensor, fqn: str, dp_mesh: DeviceMesh, unit_name: str) -> None:
     """Raise (before any collective) if FSDP cannot shard this TP parameter over ``dp_mesh``."""
     tp_mesh = param.device_mesh
-    if tp_mesh.ndim != 1:
+    if tp_mesh.ndim > 2:
         raise NotImplementedError(
             f"fully_shard({unit_name}): parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh "
-            f"{tp_mesh.mesh_dim_names}; FSDP + tensor parallelism supports a 1-D TP mesh"
+            f"{tp_mesh.mesh_dim_names}; FSDP + model parallelism supports a 1-D (TP or EP) or 2-D (EP + TP) "
+            "mesh, as FSDP2"
         )
     if not all(_splits_a_dim(p) or isinstance(p, Replicate) for p in param.placements):
         raise NotImplementedError(
