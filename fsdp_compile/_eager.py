@@ -111,6 +111,7 @@ def gather_unit(unit: FSDPUnit) -> None:
         # only in its own autograd graph (a forward never followed by a backward leaves one
         # that was never unpacked; reusing it would serve a later backward its stale weight).
         unit.eager.open_slots.pop(fsdp_param, None)
+        fsdp_param.notice_late_extension()
     extension = [p for p in to_gather if p.extension]
     if len(extension) > 1:
         gather_extension_bucket(extension)

@@ -358,10 +358,33 @@ class FSDPParam:
         unsharded parameters are leaves whose gradients are reduced after backward)."""
         return torch.is_grad_enabled() and self.sharded_param.requires_grad
 
+    def notice_late_extension(self) -> None:
+        """Shard as an all-gather extension parameter from now on if its local tensor (or
+        the tensor's class) got FSDP2's hooks after ``fully_shard`` (FSDP2 reads them off
+        the local tensor at each gather); eager code calls this before each unit's gather."""
+        local = local_tensor_of(self.sharded_param)
+        if self.extension or not has_all_gather_extension(local):
+            return
+        if self.tensor_parallel is not None or self.layout is None or self.shard_dim or self.unit.reshard_to is not None:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} got FSDP2's all-gather extension after fully_shard; it is "
+                "supported for plain parameters sharded on dim 0 (no tensor parallelism, no reshard_after_forward=<int>)"
+            )
+        self.pre_all_gather_arity = pre_all_gather_arity(self.fqn, local)
+        self.traced_extension_gather = traced_gather(self)
+        self.extension = True
+        self.traced_read_needs_local_view_only = False
+        self.refresh_local_view()
+
     def _gather_with_extension(self, sharded_param: nn.Parameter, traced: bool) -> torch.Tensor:
         """The post hook's compute tensor (see ``_low_precision``); a trainable parameter's
         gradient is reduced as any other's."""
         if traced:
+            if not has_all_gather_extension(type(self.extension_source)):
+                raise NotImplementedError(
+                    f"fully_shard: parameter {self.fqn!r}: FSDP2's all-gather hooks set on the tensor itself (not its "
+                    "class) run in eager code only; define them on the tensor's class to compile its gather"
+                )
             side = side_tensors(local_tensor_of(self.sharded_param))
             carrier = self._gradient_carrier(self.local_view)
             return self.traced_extension_gather(self.extension_source, side, carrier, *self._accumulation())

@@ -25,9 +25,17 @@ _fsdp_param.py``). Here:
   through the same reduction as any other's (``gather_with_grad_sync``'s backward); a
   frozen one (NF4) has none.
 
-Limits (checked at ``fully_shard``, by name): shards on dim 0 only, rows divisible by the
-shard group's size (the subclasses cannot pad), no tensor parallelism around them, and
-no ``reshard_after_forward=<int>`` (FSDP2 has the same limits).
+Rows that do not divide evenly are split as ``torch.chunk`` splits them (a tail rank may
+hold none), as FSDP2 splits them: the pre hook gets the full ``outer_size`` and must pad
+its shard's inputs to ``ceil(rows / world_size)`` rows (FSDP2 requires the same); the
+post hook's tensor is then cut back to the parameter's rows.
+
+Hooks set on the shard's local tensor (or its class) after ``fully_shard`` are picked up
+at the next eager gather, as FSDP2 reads them there (:meth:`FSDPParam.notice_late_extension`);
+a compiled graph keeps what it was traced with.
+
+Limits (checked at ``fully_shard``, by name): shards on dim 0 only, no tensor parallelism
+around them, and no ``reshard_after_forward=<int>`` (FSDP2 has the same limits).
 """
 
 from __future__ import annotations
@@ -84,29 +92,37 @@ def check_param_type(
         raise NotImplementedError(f"{what}: replicate() does not support it; shard it with fully_shard")
     if shard_dim != 0:
         raise NotImplementedError(f"{what}: it can only be sharded on dim 0 (shard_placement_fn gave dim {shard_dim})")
-    if data.ndim == 0 or data.shape[0] % shard_world_size:
-        raise ValueError(
-            f"{what}: its {tuple(data.shape)} rows cannot be split evenly over the {shard_world_size} ranks of the "
-            "shard group (its subclass cannot be padded); choose a group size that divides dim 0, or leave this "
-            "parameter out of the sharded module (ignored_params)"
-        )
+    if data.ndim == 0:
+        raise ValueError(f"{what}: a 0-dim parameter cannot be sharded on dim 0; leave it out (ignored_params)")
     if reshards_to_int:
         raise NotImplementedError(f"{what}: reshard_after_forward=<int> is not supported for it (nor in FSDP2); pass True/False")
     try:  # the subclass's own split (views): its constraints (NF4: whole groups of 64 x 256 values a shard)
-        pieces = torch.chunk(data.detach(), shard_world_size, dim=0)
+        pieces = [_rows_of(data.detach(), shard_world_size, rank) for rank in range(shard_world_size)]
     except Exception as error:  # noqa: BLE001 - any refusal of the subclass, reported with the parameter's name
         raise ValueError(f"{what}: its subclass cannot split it into {shard_world_size} shards: {error}") from error
-    if len(pieces) != shard_world_size or any(p.shape[0] != data.shape[0] // shard_world_size for p in pieces):
-        raise ValueError(
-            f"{what}: its subclass split it into {[tuple(p.shape) for p in pieces]}, not {shard_world_size} equal shards"
-        )
+    expected = [_row_count(data.shape[0], shard_world_size, rank) for rank in range(shard_world_size)]
+    if [p.shape[0] for p in pieces] != expected:
+        raise ValueError(f"{what}: its subclass split it into {[tuple(p.shape) for p in pieces]}, not rows {expected}")
+
+
+def _row_count(rows: int, world_size: int, rank: int) -> int:
+    """How many of ``rows`` rank ``rank`` holds (``torch.chunk``'s split, as ``Shard(0)``)."""
+    per_rank = -(-rows // world_size)
+    return max(0, min(rows - rank * per_rank, per_rank))
+
+
+def _rows_of(data: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``data``: the subclass's own ``torch.chunk`` (a view; NF4 has
+    no other split), an empty view for a tail rank past the last row."""
+    pieces = torch.chunk(data, world_size, dim=0)
+    return pieces[rank] if rank < len(pieces) else data.narrow(0, data.shape[0], 0)
 
 
 def shard_extension_param(data: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     """This rank's rows of ``data``, still of its subclass, in storage of their own (the
     subclass's own ``split``, ``new_zeros`` and ``copy_``, the ops FSDP2 uses, so the
     rest of the tensor is freed)."""
-    rows = torch.chunk(data, world_size, dim=0)[rank]
+    rows = _rows_of(data, world_size, rank)
     local = rows.new_zeros(rows.shape)
     local.copy_(rows)
     return local
@@ -127,16 +143,24 @@ def pre_all_gather_arity(fqn: str, local: torch.Tensor) -> int:
 
 def pre_all_gather(fsdp_param: FSDPParam, local: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
     """The pre hook, called with the signature it declares (:func:`pre_all_gather_arity`)."""
-    # Called through the class: Dynamo then inlines the hook as a function (a method call
-    # on a tensor would be recorded as one opaque op, which cannot return metadata).
-    hook, mesh = type(local).fsdp_pre_all_gather, fsdp_param.unit.dp_mesh.shard_mesh
+    mesh = fsdp_param.unit.dp_mesh.shard_mesh
     if fsdp_param.pre_all_gather_arity == 1:
-        inputs, metadata = hook(local, mesh)
+        inputs, metadata = _call_hook(local, "fsdp_pre_all_gather", mesh)
     else:
         module = fsdp_param.owner[0] if fsdp_param.owner is not None else None
         shape = fsdp_param.sharded_param.shape
-        inputs, metadata = hook(local, mesh, shape, _contiguous_stride(shape), module, fsdp_param.unit.mp_policy)
+        stride = _contiguous_stride(shape)
+        inputs, metadata = _call_hook(local, "fsdp_pre_all_gather", mesh, shape, stride, module, fsdp_param.unit.mp_policy)
     return tuple(inputs), metadata
+
+
+def _call_hook(local: torch.Tensor, name: str, *args):
+    """``local``'s hook ``name``: one set on the tensor itself (FSDP2 reads the hooks off
+    the local tensor, so they may be attached to it after ``fully_shard``), else its
+    class's, called as a function (Dynamo then inlines it; a method call on a tensor would
+    be recorded as one opaque op, which cannot return metadata)."""
+    own = vars(local).get(name)
+    return own(*args) if own is not None else getattr(type(local), name)(local, *args)
 
 
 def gather_extension_params(fsdp_params: list[FSDPParam], sources: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -150,8 +174,9 @@ def gather_extension_params(fsdp_params: list[FSDPParam], sources: list[torch.Te
     for p, source, (inputs, metadata) in zip(fsdp_params, sources, pre, strict=True):
         mine, outputs = tuple(outputs[: len(inputs)]), outputs[len(inputs) :]
         param_dtype = p.param_dtype or p.sharded_param.dtype
-        full, _inner = type(source).fsdp_post_all_gather(source, mine, metadata, param_dtype)
-        fulls.append(full)
+        full, _inner = _call_hook(source, "fsdp_post_all_gather", mine, metadata, param_dtype)
+        rows = p.sharded_param.shape[0]
+        fulls.append(full if full.shape[0] == rows else full.narrow(0, 0, rows))  # (padded rows: see above)
     return fulls
 
 

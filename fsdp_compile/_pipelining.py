@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from fsdp_compile._eager_buckets import regather_key
 from fsdp_compile._eager_collectives import gather_bucket_with_grad_sync
-from fsdp_compile.base.compat import set_composable_state
+from fsdp_compile.base.compat import set_composable_state, torchs_fully_shard
 from fsdp_compile.runtime.collectives import GradAccumulation, gather_with_grad_sync
 
 if TYPE_CHECKING:
@@ -32,9 +32,7 @@ if TYPE_CHECKING:
 
 def register_pipelining_view(module: nn.Module, unit: FSDPUnit) -> None:
     """Make torch's ``fully_shard.state(module)`` answer pipelining's questions for ``unit``."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    set_composable_state(module, torch_fully_shard, _UnitStateView(module, unit))
+    set_composable_state(module, torchs_fully_shard(), _UnitStateView(module, unit))
 
 
 def reduce_accumulated(unit: FSDPUnit) -> None:

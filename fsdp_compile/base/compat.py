@@ -199,6 +199,15 @@ def set_composable_state(module, api, state) -> None:
     module.__dict__.setdefault(REGISTRY_KEY, OrderedDict()).setdefault(func.__name__, RegistryItem())
 
 
+def torchs_fully_shard():
+    """torch/distributed/fsdp/_fully_shard/_fully_shard.py ``fully_shard``: torch's own, from the
+    module that defines it, not ``torch.distributed.fsdp.fully_shard``, which the stacks'
+    switch to ours replaces (README: "Training stacks")."""
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard
+
+    return fully_shard
+
+
 def composable_apis_applied(module) -> tuple[str, ...]:
     """torch/distributed/_composable/contract.py ``_get_registry``: the names of the
     ``@contract`` composable APIs applied to ``module`` (e.g. ``"replicate"`` after torch's
@@ -547,6 +556,7 @@ __all__ = [
     "functorch_transforms_active",
     "set_composable_state",
     "composable_apis_applied",
+    "torchs_fully_shard",
     "is_functorch_wrapper",
     "issue_c10d_collective",
     "group_rank",
