@@ -379,8 +379,12 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
         for other in unit.eager.open_slots.values()
         if other.forward == slot.forward and _needs_regather(other) and other.fsdp_param.unit is not unit
     ]
-    if unit.backward_prefetches:
-        targets = [other for other in same_forward if other.fsdp_param.unit in unit.backward_prefetches]
+    if unit.backward_prefetches:  # in the list's order, as FSDP2 issues them
+        order = unit.backward_prefetches
+        targets = sorted(
+            (other for other in same_forward if other.fsdp_param.unit in order),
+            key=lambda other: order.index(other.fsdp_param.unit),
+        )
     else:
         earlier = [other for other in same_forward if other.seq < slot.seq]
         upcoming = max(earlier, key=lambda other: other.seq).fsdp_param.unit if earlier else None

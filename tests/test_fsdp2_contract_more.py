@@ -1581,25 +1581,9 @@ def _expected_prefetch(direction: str, num: int) -> dict:
 PREFETCH = [("forward", 1), ("forward", 2), ("backward", 1), ("backward", 2)]
 
 
-_PREFETCH_XFAIL = (
-    "ours issues layers.3's backward prefetches [layers.2, layers.1] as AG layers.1 then AG layers.2 "
-    "(FSDP2: in the list's order, layers.2 first); the rest of the order is FSDP2's"
-)
-
-
 @pytest.mark.parametrize(
     ("kind", "direction", "num"),
-    [
-        pytest.param(
-            kind,
-            d,
-            n,
-            id=f"{kind}-{d}-{n}",
-            marks=[pytest.mark.xfail(strict=True, reason=_PREFETCH_XFAIL)] if (kind, d, n) == ("ours", "backward", 2) else [],
-        )
-        for kind in KINDS
-        for d, n in PREFETCH
-    ],
+    [pytest.param(kind, d, n, id=f"{kind}-{d}-{n}") for kind in KINDS for d, n in PREFETCH],
 )
 def test_set_modules_to_prefetch(pool2, kind, direction, num):
     """upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_set_modules_to_forward_prefetch
