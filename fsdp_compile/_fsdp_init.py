@@ -36,7 +36,13 @@ def _is_sharded_module(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _as_module_list(module) -> list[nn.Module]:
+def _as_module_list(module, api: str = "fully_shard") -> list[nn.Module]:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"{api} does not support containers that do not implement forward: {type(module).__name__} (as FSDP2). "
+            f"Apply it to each module in it (for block in model.layers: {api}(block)), or pass them as a list "
+            f"({api}(list(model.layers)): one unit)"
+        )
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard got an empty list of modules")

@@ -88,6 +88,12 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
 
     _fsdp_unit: FSDPUnit
 
+    def __deepcopy__(self, memo):
+        raise AssertionError(
+            f"FSDP does not support deepcopy ({type(self).__name__} is sharded by fsdp_compile.fully_shard). Please use "
+            "state dict for serialization, or deep-copy the model before sharding it."
+        )
+
     @never_a_frame_of_its_own
     def forward(self, *args, **kwargs):
         if self._fsdp_unit.params_on_meta:
@@ -440,11 +446,14 @@ def _shard_as_one_unit(
     # again at every call: torch._dynamo.reset() forgets part of it (see install_passes).
     install_passes()
     install_default_local_step()
-    modules = _as_module_list(module)
+    modules = _as_module_list(module, "fully_shard" if shard else "replicate")
     _reject_unsupported_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     for m in modules:
         if isinstance(m, FSDPModule):
-            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module (each distinct "
+                "composable distributed API can only be applied to a module once)"
+            )
     if not dist.is_initialized() and mesh is None:
         raise RuntimeError(
             "fully_shard needs torch.distributed: call torch.distributed.init_process_group() first (or pass mesh=)"

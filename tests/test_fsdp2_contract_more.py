@@ -1668,3 +1668,48 @@ def test_gradient_scaler(pool2, kind, has_inf):
         torch.testing.assert_close(*r["unscaled"])
         assert r["state_unchanged"] == has_inf
         assert r["scale"][0] == r["scale"][1], r["scale"]
+
+
+# ---------------------------------------------------------------- test_fully_shard_state.py
+
+
+def test_fully_shard_state_cls_containers_and_deepcopy(fake_pg):
+    """upstream: test_fully_shard_state.py::TestFullyShardState (every test). Adapted: the
+    fake process group (8 ranks, this process) instead of one thread; upstream's MLP.
+    Intended difference, expectation inverted: applying ``fully_shard`` twice raises a
+    ``ValueError`` naming the module (FSDP2: an ``AssertionError``), with FSDP2's words."""
+    import copy
+
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compile import fully_shard
+
+    # test_fully_shard_state: torch's fully_shard.state finds a distinct state per call
+    model = nn.Sequential(*(MLP(8) for _ in range(3)))
+    for mlp in model:
+        fully_shard(mlp)
+    fully_shard(model)
+    states = [torch_fully_shard.state(model)] + [torch_fully_shard.state(mlp) for mlp in model]
+    assert states[0] is not None and len(set(map(id, states))) == 4
+    # test_fully_shard_reapply
+    mlp = MLP(8)
+    fully_shard(mlp)
+    with pytest.raises(ValueError, match="can only be applied to a module once"):
+        fully_shard(mlp)
+    # test_fully_shard_cls: only the module passed is swapped; a slice of a Sequential is not a unit
+    assert isinstance(mlp, MLP) and isinstance(mlp, TorchFSDPModule) and type(mlp).__name__ == "FSDPMLP"
+    assert not any(isinstance(m, TorchFSDPModule) for m in mlp.modules() if m is not mlp)
+    seq = nn.Sequential(*(MLP(8) for _ in range(3)))
+    fully_shard(seq)
+    assert isinstance(seq, nn.Sequential) and isinstance(seq, TorchFSDPModule) and type(seq).__name__ == "FSDPSequential"
+    assert isinstance(seq[:2], nn.Sequential) and not isinstance(seq[:2], TorchFSDPModule)
+    # test_fully_shard_unsupported_module_cls
+    regex = r"fully\_shard does not support containers that do not implement forward"
+    with pytest.raises(ValueError, match=regex):
+        fully_shard(nn.ModuleList([MLP(8) for _ in range(3)]))
+    with pytest.raises(ValueError, match=regex):
+        fully_shard(nn.ModuleDict({"1": MLP(8), "2": MLP(8)}))
+    # test_fully_shard_deepcopy
+    with pytest.raises(AssertionError, match="FSDP does not support deepcopy"):
+        copy.deepcopy(mlp)
