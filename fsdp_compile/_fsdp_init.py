@@ -209,10 +209,8 @@ def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit
                 existing = _existing_fsdp_param(mod, name, param)
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
-                elif unit.dp_mesh.spmd_mesh is not None:
-                    check_spmd_param(
-                        param, fqn, unit.dp_mesh.spmd_mesh, unit.dp_mesh.spmd_data_parallel_dims, _unit_name(modules)
-                    )
+                elif unit.dp_mesh.spmd is not None:
+                    check_spmd_param(param, fqn, unit.dp_mesh.spmd, _unit_name(modules))
                 elif isinstance(param, DTensor):
                     check_tensor_parallel_param(param, fqn, unit.mesh, _unit_name(modules))
                 owned.append(OwnedParam(mod, name, param, fqn, module_index))

@@ -35,7 +35,7 @@ from fsdp_compile._low_precision import (
 )
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
-from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh
+from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh, spmd_param_layout
 from fsdp_compile.base.compat import (
     NO_ANNOTATION,
     alias_of_local_tensor,
@@ -121,7 +121,9 @@ class FSDPParam:
         self.unit = unit
         dp = unit.dp_mesh
         tp = self.tensor_parallel = (
-            TensorParallelSpec.of(param, dp.spmd_data_parallel_dims) if isinstance(param, DTensor) else None
+            TensorParallelSpec.of(param, () if dp.spmd is None else dp.spmd.data_parallel_dims)
+            if isinstance(param, DTensor)
+            else None
         )
         data = (param if tp is None else param.to_local()).detach()
         self.shard_dim = shard_dim
@@ -175,15 +177,21 @@ class FSDPParam:
         """The ``nn.Parameter(DTensor)`` over ``local`` that stands for ``param`` from now on,
         with the attributes users hang on parameters (e.g. ``_no_weight_decay``)."""
         unit, tp, dp = self.unit, self.tensor_parallel, self.unit.dp_mesh
+        sharded = ndim != 0 and dp.shards
+        if dp.spmd is not None:
+            mesh, placements = spmd_param_layout(dp.spmd, unit.mesh, tp, self.shard_dim, sharded)
+        else:
+            mesh = unit.mesh if tp is None else spmd_mesh(unit.mesh, tp)
+            placements = dp.placements(
+                sharded=sharded,
+                shard_dim=self.shard_dim,
+                tp_placements=() if tp is None else tp.placements,
+                tp_shards=1 if tp is None else tp.shards_on(self.shard_dim),
+            )
         dtensor = DTensor.from_local(
             unit.devices.to_storage(local),
-            unit.mesh if tp is None else spmd_mesh(unit.mesh, tp),
-            dp.placements(
-                sharded=ndim != 0 and dp.shards,
-                shard_dim=self.shard_dim,
-                tp_placements=() if tp is None else tp.tensor_parallel_placements,
-                tp_shards=1 if tp is None else tp.shards_on(self.shard_dim),
-            ),
+            mesh,
+            placements,
             run_check=False,
             shape=param.shape,
             stride=_contiguous_stride(param.shape),

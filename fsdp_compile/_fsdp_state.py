@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_compile.base.compat import never_a_frame_of_its_own
+from fsdp_compile.base.compat import called_through_compiled_wrapper, never_a_frame_of_its_own
 from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.process_groups import DataParallelMesh
 
@@ -306,12 +306,14 @@ forward_context = _ForwardContext()
 def warn_gathered_in_broken_graph(fsdp_param: FSDPParam) -> None:
     """Once per unit: its parameters are gathered in eager code between compiled graphs."""
     unit = fsdp_param.unit
-    if unit.warned_eager_gather or any(_compiled_on_its_own(m) for m in unit.modules):
-        # A unit compiled on its own (block.compile() or torch.compile(block), torchtitan's
-        # per-block compile) is gathered around its compiled frame by design, as FSDP2's
-        # hooks gather it: no graph broke.
+    if unit.warned_eager_gather:
         return
     unit.warned_eager_gather = True
+    if any(_compiled_on_its_own(m) or called_through_compiled_wrapper(m) for m in unit.modules):
+        # A unit compiled on its own (block.compile(), torch.compile(block) before or after
+        # fully_shard: torchtitan's per-block compile) is gathered around its compiled frame
+        # by design, as FSDP2's hooks gather it: no graph broke.
+        return
     warnings.warn(
         f"fsdp_compile: graph break inside the sharded forward of unit {unit.fqn or '(root)'!r}: parameter "
         f"{fsdp_param.fqn!r} is gathered in eager code between compiled graphs, so its collectives "

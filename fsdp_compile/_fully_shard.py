@@ -410,14 +410,14 @@ def fully_shard(
         dp_mesh_dims: FSDP2's SPMD mesh (``DataParallelMeshDims(shard="dp", replicate=None)``):
             ``mesh`` is the full mesh, every parameter is a ``DTensor`` on it with
             ``Replicate()`` on the named dims, modules compute on ``DTensor``s of it, and
-            FSDP shards over ``shard`` (all-reducing over ``replicate``, HSDP). One dim
-            each, leading the mesh in the order (replicate, shard).
+            FSDP shards over ``shard`` (all-reducing over ``replicate``, HSDP); several
+            dims of either are flattened into one, as FSDP2 does (e.g. ``("dp_shard", "cp")``).
     """
-    spmd_mesh = None
+    spmd = None
     if dp_mesh_dims is not None:
-        spmd_mesh, mesh = mesh, data_parallel_sub_mesh(mesh, dp_mesh_dims, _unit_name(_as_module_list(module)))
+        mesh, spmd = data_parallel_sub_mesh(mesh, dp_mesh_dims, _unit_name(_as_module_list(module)))
     options = (reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
-    return _shard_as_one_unit(module, mesh, *options, shard=True, spmd_mesh=spmd_mesh)
+    return _shard_as_one_unit(module, mesh, *options, shard=True, spmd=spmd)
 
 
 def replicate(
@@ -440,7 +440,7 @@ def replicate(
 
 
 def _shard_as_one_unit(
-    module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard, spmd_mesh=None
+    module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params, *, shard, spmd=None
 ):
     # Our passes join torch.compile's pipeline when the first module is sharded, not at import;
     # again at every call: torch._dynamo.reset() forgets part of it (see install_passes).
@@ -464,7 +464,7 @@ def _shard_as_one_unit(
     unit = FSDPUnit(
         modules=modules,
         mesh=mesh,
-        dp_mesh=DataParallelMesh(mesh, shard=shard, spmd_mesh=spmd_mesh),
+        dp_mesh=DataParallelMesh(mesh, shard=shard, spmd=spmd),
         devices=ShardDevices(
             compute_device(mesh),
             offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),

@@ -19,10 +19,9 @@ same). A gradient ``Replicate()`` on a data-parallel dim (every rank of it ran t
 batch) is divided by the dim's size on the way (``Replicate()`` to ``Partial()``), where
 FSDP2 takes it as it is: ``DTensor.from_local``'s own backward, which Dynamo and
 AOTAutograd trace with the gradient's real placements (an ``autograd.Function`` of ours
-would be traced by Dynamo for the forward's placements only). We take the data-parallel dims
-as the mesh's leading ones, (replicate, shard), as ``init_device_mesh`` lays out
-torchtitan's ``(dp_replicate, dp_shard, ..., tp)``; the registered parameter is then
-laid out as in the 2-D case, on the full mesh itself.
+would be traced by Dynamo for the forward's placements only). The registered parameter
+is FSDP2's: on the full mesh, or, where several dims are sharded over as one (e.g.
+``shard=("dp_shard", "cp")``), on that flattened dim and the others (:func:`spmd_param_layout`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fsdp_compile.base.compat import concatenate_meshes, is_strided_shard
+from fsdp_compile.base.compat import concatenate_meshes, flatten_mesh, is_strided_shard, strided_shard
 from fsdp_compile.runtime.process_groups import label_mesh_groups
 
 
@@ -46,20 +45,24 @@ class TensorParallelSpec:
     placements: tuple  # on ``mesh``
     shape: torch.Size  # global
     stride: tuple[int, ...]
-    # With dp_mesh_dims: how many leading dims of ``mesh`` are data-parallel (``Replicate()``
-    # in ``placements``; FSDP's to shard and reduce over); 0 for a TP mesh.
-    data_parallel_dims: int = 0
+    # With dp_mesh_dims: which dims of ``mesh`` are data-parallel (``Replicate()`` in
+    # ``placements``; FSDP's to shard and reduce over); none for a TP mesh.
+    data_parallel_dims: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, param: DTensor, data_parallel_dims: int = 0) -> TensorParallelSpec:
+    def of(cls, param: DTensor, data_parallel_dims: tuple[int, ...] = ()) -> TensorParallelSpec:
         # (labels for reports and the cross-rank check)
         label_mesh_groups(param.device_mesh, tensor_parallel=True, data_parallel_dims=data_parallel_dims)
         return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride(), data_parallel_dims)
 
-    @property
-    def tensor_parallel_placements(self) -> tuple:
-        """The placements on the dims that are not data-parallel."""
-        return self.placements[self.data_parallel_dims :]
+    def shards_after(self, mesh_dim: int, dim: int) -> int:
+        """Into how many pieces the mesh dims after ``mesh_dim`` split tensor dim ``dim``."""
+        n = 1
+        for i in range(mesh_dim + 1, self.mesh.ndim):
+            placement = self.placements[i]
+            if _splits_a_dim(placement) and placement.dim % len(self.shape) == dim:
+                n *= self.mesh.size(i)
+        return n
 
     def shards_on(self, dim: int) -> int:
         """Into how many pieces TP splits dimension ``dim``."""
@@ -75,7 +78,7 @@ class TensorParallelSpec:
         dims (unreduced: FSDP reduces it) and in the forward's placements on the others."""
         grad_placements = None
         if self.data_parallel_dims:
-            grad_placements = (Partial(),) * self.data_parallel_dims + self.tensor_parallel_placements
+            grad_placements = tuple(Partial() if i in self.data_parallel_dims else p for i, p in enumerate(self.placements))
         return DTensor.from_local(
             local_full,
             self.mesh,
@@ -128,42 +131,91 @@ def _splits_a_dim(placement) -> bool:
 
 
 def spmd_mesh(dp_mesh: DeviceMesh, tp: TensorParallelSpec) -> DeviceMesh:
-    """The mesh of the registered parameter: the data-parallel dimensions, then TP's (with
-    ``dp_mesh_dims``, the full mesh the parameter already is on)."""
-    return tp.mesh if tp.data_parallel_dims else concatenate_meshes([dp_mesh, tp.mesh])
+    """The mesh of the registered parameter of FSDP + TP: the data-parallel dimensions, then
+    TP's (with ``dp_mesh_dims``: :func:`spmd_param_layout`)."""
+    return concatenate_meshes([dp_mesh, tp.mesh])
 
 
-def data_parallel_sub_mesh(mesh: DeviceMesh | None, dp_mesh_dims, unit_name: str) -> DeviceMesh:
-    """FSDP2's ``dp_mesh_dims`` resolved on the full SPMD ``mesh``: the sub-mesh of its
-    data-parallel dims, 1-D (shard) or 2-D (replicate, shard) as for HSDP. Raises, before
-    any collective, for what FSDP2 rejects and for the layouts we do not take yet."""
+@dataclass(frozen=True)
+class SpmdMesh:
+    """FSDP2's ``dp_mesh_dims`` resolved on the full mesh: which of its dims FSDP shards
+    over (several are flattened into one group) and which it replicates over (HSDP)."""
+
+    mesh: DeviceMesh  # the full mesh the parameters and the modules' DTensors are on
+    shard_dims: tuple[int, ...]
+    replicate_dims: tuple[int, ...]
+
+    @property
+    def data_parallel_dims(self) -> tuple[int, ...]:
+        return tuple(sorted(self.shard_dims + self.replicate_dims))
+
+
+def spmd_param_layout(spmd: SpmdMesh, dp_mesh: DeviceMesh, tp: TensorParallelSpec, shard_dim: int, sharded: bool):
+    """The registered parameter's mesh and placements with ``dp_mesh_dims``, FSDP2's: the
+    full mesh, with ``Shard(shard_dim)`` on the shard dim (``_StridedShard`` where later
+    dims split the same tensor dim: FSDP splits the pieces they leave) and ``Replicate()``
+    on the other dims it owns. Several shard dims are one flattened dim of ``dp_mesh``
+    there (with HSDP's replicate dim before it), the other dims as they are."""
+    placements = list(tp.placements)
+    first = spmd.shard_dims[0]
+    if sharded:
+        split = tp.shards_after(first, shard_dim)
+        placements[first] = strided_shard(shard_dim, split) if split > 1 else Shard(shard_dim)
+    if len(spmd.shard_dims) == 1:
+        return spmd.mesh, tuple(placements)
+    submeshes, out = [], []
+    for i, name in enumerate(spmd.mesh.mesh_dim_names):
+        if i == first:
+            submeshes.append(dp_mesh)
+            out += [Replicate()] * (dp_mesh.ndim - 1) + [placements[i]]
+        elif i not in spmd.shard_dims and not (i in spmd.replicate_dims and dp_mesh.ndim == 2):
+            submeshes.append(spmd.mesh[name])
+            out.append(placements[i])
+    return concatenate_meshes(submeshes), tuple(out)
+
+
+def data_parallel_sub_mesh(mesh: DeviceMesh | None, dp_mesh_dims, unit_name: str) -> tuple[DeviceMesh, SpmdMesh]:
+    """FSDP2's ``dp_mesh_dims`` resolved on the full SPMD ``mesh``: the mesh FSDP runs on,
+    1-D (shard) or 2-D (replicate, shard) as for HSDP, several dims of either flattened
+    into one, and the :class:`SpmdMesh`. Raises, before any collective, for what FSDP2
+    rejects and for the layouts we do not take."""
     call = f"fully_shard({unit_name}, dp_mesh_dims={dp_mesh_dims})"
     if mesh is None or mesh.mesh_dim_names is None:
         raise ValueError(
             f"{call}: dp_mesh_dims names dimensions of the full mesh; pass that mesh, with mesh_dim_names, as mesh= "
             '(e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp")))'
         )
+    names = tuple(mesh.mesh_dim_names)
     shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
     for name in (*replicate, *shard):
-        if name not in mesh.mesh_dim_names:
-            raise ValueError(f"{call}: {name!r} is not a dimension of the mesh {tuple(mesh.mesh_dim_names)}")
-    if len(shard) != 1 or len(replicate) > 1:
-        raise NotImplementedError(
-            f"{call}: one shard dimension and at most one replicate dimension are supported, not several flattened "
-            "into one (e.g. dp_shard and cp); pass one of each"
-        )
-    names = (*replicate, *shard)
-    if tuple(mesh.mesh_dim_names[: len(names)]) != names:
-        raise NotImplementedError(
-            f"{call}: the data-parallel dims {names} must lead the mesh {tuple(mesh.mesh_dim_names)}, in the order "
-            "(replicate, shard), as torchtitan's (dp_replicate, dp_shard, ..., tp) mesh has them"
-        )
-    return mesh[names[0]] if len(names) == 1 else mesh[names]
+        if name not in names:
+            raise ValueError(f"{call}: {name!r} is not a dimension of the mesh {names}")
+    if not shard:
+        raise NotImplementedError(f"{call}: replicate-only (DDP) dp_mesh_dims is not supported; name a shard dim")
+    shard_dims, replicate_dims = tuple(map(names.index, shard)), tuple(map(names.index, replicate))
+    for what, dims in (("shard", shard_dims), ("replicate", replicate_dims)):
+        if dims and list(dims) != list(range(dims[0], dims[0] + len(dims))):
+            raise NotImplementedError(f"{call}: the {what} dims must be neighbours in the mesh {names}, in its order")
+    if replicate_dims and max(replicate_dims) > min(shard_dims):
+        raise NotImplementedError(f"{call}: the replicate dims must come before the shard dims in the mesh {names}")
+    if not replicate:
+        dp_mesh = _flattened(mesh, shard)
+    elif len(shard) == len(replicate) == 1:
+        dp_mesh = mesh[(replicate[0], shard[0])]
+    else:
+        dp_mesh = concatenate_meshes([_flattened(mesh, replicate), _flattened(mesh, shard)])
+    return dp_mesh, SpmdMesh(mesh, shard_dims, replicate_dims)
 
 
-def check_spmd_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, data_parallel_dims: int, unit_name: str) -> None:
+def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh[names]`` as one dimension (named as FSDP2 names it: the names joined by "_")."""
+    return mesh[names[0]] if len(names) == 1 else flatten_mesh(mesh[names], "_".join(names))
+
+
+def check_spmd_param(param: nn.Parameter, fqn: str, spmd: SpmdMesh, unit_name: str) -> None:
     """Raise (before any collective) unless ``param`` is what ``dp_mesh_dims`` requires: a
-    ``DTensor`` of the full ``mesh``, ``Replicate()`` on its leading data-parallel dims."""
+    ``DTensor`` of the full mesh, ``Replicate()`` on its data-parallel dims."""
+    mesh, data_parallel_dims = spmd.mesh, spmd.data_parallel_dims
     call = f"fully_shard({unit_name}, dp_mesh_dims=...)"
     if not isinstance(param, DTensor):
         raise ValueError(
@@ -177,12 +229,12 @@ def check_spmd_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh, data_paral
             f"passed to fully_shard ({_describe(mesh)}); distribute it on that mesh"
         )
     for dim, placement in enumerate(param.placements):
-        if dim < data_parallel_dims and not isinstance(placement, Replicate):
+        if dim in data_parallel_dims and not isinstance(placement, Replicate):
             raise ValueError(
                 f"{call}: parameter {fqn!r} has {placement!r} on the data-parallel dim {mesh.mesh_dim_names[dim]!r}; "
                 "FSDP shards it there itself: give it Replicate() on every data-parallel dim"
             )
-        if dim >= data_parallel_dims and not (_splits_a_dim(placement) or isinstance(placement, Replicate)):
+        if dim not in data_parallel_dims and not (_splits_a_dim(placement) or isinstance(placement, Replicate)):
             raise NotImplementedError(
                 f"{call}: parameter {fqn!r} has {placement!r} on dim {mesh.mesh_dim_names[dim]!r}; FSDP can shard "
                 "further only Shard(d), _StridedShard(d) or Replicate() parameters (reduce a Partial() one first)"

@@ -49,18 +49,18 @@ def group_label(group_name: str) -> str:
     return f"{len(ranks)} ranks, stride {strides.pop()}" if len(strides) == 1 else group_name
 
 
-def label_mesh_groups(mesh, *, tensor_parallel: bool = False, data_parallel_dims: int = 0) -> None:
+def label_mesh_groups(mesh, *, tensor_parallel: bool = False, data_parallel_dims: tuple[int, ...] = ()) -> None:
     """Name each dimension's group of ``mesh`` the same on every rank ("mesh dim 'dp'
     of size 2"): each rank's group along a dimension of a multi-dimensional mesh is
     a different group, with a different name. ``tensor_parallel``: the groups of its
-    dimensions after the first ``data_parallel_dims`` are tensor-parallel ones."""
+    dimensions but ``data_parallel_dims`` are tensor-parallel ones."""
     from fsdp_compile.base.compat import group_name_of
 
     for dim in range(mesh.ndim):
         name = group_name_of(mesh.get_group(dim))
         dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
         _GROUP_LABELS[name] = (_default_group(), f"mesh dim {dim_name!r} of size {mesh.size(dim)}")
-        if tensor_parallel and dim >= data_parallel_dims:
+        if tensor_parallel and dim not in data_parallel_dims:
             _TENSOR_PARALLEL_GROUPS[name] = _default_group()
 
 
@@ -119,15 +119,16 @@ class DataParallelMesh:
             (``None`` in DDP mode).
         shard_world_size, shard_rank: size of, and this rank's index in, the shard group.
         replicate_group_name: the replicate group (``None`` in FSDP mode).
-        spmd_mesh: with FSDP2's ``dp_mesh_dims``, the full mesh parameters and modules
-            compute on, whose leading dimensions are ``mesh``'s; else ``None``.
+        spmd: with FSDP2's ``dp_mesh_dims``, the full mesh parameters and modules compute
+            on and which of its dims ``mesh`` stands for (``fsdp_compile._tensor_parallel.SpmdMesh``);
+            else ``None``.
     """
 
-    def __init__(self, mesh, *, shard: bool = True, spmd_mesh=None) -> None:
+    def __init__(self, mesh, *, shard: bool = True, spmd=None) -> None:
         from fsdp_compile.base.compat import group_name_of
 
         self.mesh = mesh
-        self.spmd_mesh = spmd_mesh
+        self.spmd = spmd
         if mesh.ndim == 2:
             shard_dim, replicate_dim = 1, 0
         elif shard:
@@ -144,11 +145,6 @@ class DataParallelMesh:
     @property
     def shards(self) -> bool:
         return self.shard_dim is not None
-
-    @property
-    def spmd_data_parallel_dims(self) -> int:
-        """How many leading dimensions of :attr:`spmd_mesh` are this mesh's (0 without one)."""
-        return 0 if self.spmd_mesh is None else self.mesh.ndim
 
     @property
     def shard_mesh(self):

@@ -310,3 +310,21 @@ def test_eager_code_inside_a_compiled_block_compiles_no_graph_of_ours(pool2):
     for name, expected in results["unsharded"]["params"].items():
         torch.testing.assert_close(results["ours"]["params"][name], expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(results["ours"]["params"][name], results["fsdp2"]["params"][name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_per_block_compile_warns_of_no_graph_break(fake_pg, pattern):
+    """Blocks compiled one by one are gathered around their compiled calls by design (as
+    FSDP2's hooks gather them): no warning says a graph broke, nor that a graph recompiled."""
+    import warnings
+
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+
+    reset_dynamo()
+    model = apply_per_block(build_llama(3, "plain"), pattern, fully_shard, "aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            _step(model, step)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("fsdp_compile")]
+    assert ours == []

@@ -53,15 +53,19 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
 
 
-# Mesh layouts on 4 ranks: (mesh shape, dim names, DataParallelMeshDims kwargs, data-parallel
-# degree, placements of the non-data-parallel dims per parameter name suffix).
+# Mesh layouts on 4 ranks: (mesh shape, dim names, DataParallelMeshDims kwargs). The batch is
+# split over every data-parallel dim; a dim that is not data-parallel is "tp".
 LAYOUTS = {
     # FSDP over "dp", tensor parallelism on "tp" (colwise up, rowwise down), the rest replicated.
-    "dp+tp": ((2, 2), ("dp", "tp"), {"shard": "dp"}, 2),
+    "dp+tp": ((2, 2), ("dp", "tp"), {"shard": "dp"}),
+    # The same with the data-parallel dim last (FSDP splits within TP's pieces as Shard, not _StridedShard).
+    "tp+dp": ((2, 2), ("tp", "dp"), {"shard": "dp"}),
     # HSDP: replicate over "dp_replicate", shard over "dp_shard"; no other dim.
-    "hsdp": ((2, 2), ("dp_replicate", "dp_shard"), {"shard": "dp_shard", "replicate": "dp_replicate"}, 4),
+    "hsdp": ((2, 2), ("dp_replicate", "dp_shard"), {"shard": "dp_shard", "replicate": "dp_replicate"}),
+    # FSDP over two dims flattened into one (torchtitan's dp_shard * cp).
+    "dp_shard*cp": ((2, 2), ("dp_shard", "cp"), {"shard": ("dp_shard", "cp")}),
     # FSDP over all 4 ranks, a 1-D mesh.
-    "dp": ((4,), ("dp",), {"shard": "dp"}, 4),
+    "dp": ((4,), ("dp",), {"shard": "dp"}),
 }
 
 
@@ -75,7 +79,7 @@ def _tensor_parallel_placement(name: str):
     return Replicate()
 
 
-def _distribute(model: nn.Module, mesh, n_dp_dims: int) -> None:
+def _distribute(model: nn.Module, mesh, data_parallel: set[str]) -> None:
     """Every parameter a ``DTensor`` of the full mesh: ``Replicate()`` on the data-parallel
     dims, the tensor-parallel placement on the others."""
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -83,7 +87,7 @@ def _distribute(model: nn.Module, mesh, n_dp_dims: int) -> None:
     for module_name, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
             fqn = f"{module_name}.{name}"
-            placements = [Replicate()] * n_dp_dims + [_tensor_parallel_placement(fqn)] * (mesh.ndim - n_dp_dims)
+            placements = [Replicate() if d in data_parallel else _tensor_parallel_placement(fqn) for d in mesh.mesh_dim_names]
             module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
 
 
@@ -101,21 +105,23 @@ def train(variant: str, layout: str = "dp+tp", steps: int = STEPS) -> dict:
     from tests.models import compile_counting_graphs, fully_shard_of
 
     reset_dynamo()
-    shape, names, dims, dp_degree = LAYOUTS[layout]
+    shape, names, dims = LAYOUTS[layout]
+    dp_mesh_dims = DataParallelMeshDims(**dims)
+    data_parallel = {*dp_mesh_dims.shard_names, *dp_mesh_dims.replicate_names}
+    dp_degree = 1
+    for size, name in zip(shape, names, strict=True):
+        dp_degree *= size if name in data_parallel else 1
     kind, _, backend = variant.partition(":")
     model = _build()
     mesh = None
     if kind != "reference":
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        n_dp = len(DataParallelMeshDims(**dims).shard_names) + len(DataParallelMeshDims(**dims).replicate_names)
-        _distribute(model, mesh, n_dp)
+        _distribute(model, mesh, data_parallel)
         shard = fully_shard_of(kind)
         for layer in model.layers:
-            shard(layer, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims))
-        shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims))
-        batch_placements = [Shard(0) if n in DataParallelMeshDims(**dims).shard_names else Replicate() for n in names]
-        if "replicate" in dims:  # the batch is split over every data-parallel dim
-            batch_placements = [Shard(0), Shard(0)]
+            shard(layer, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+        shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+        batch_placements = [Shard(0) if n in data_parallel else Replicate() for n in names]
     run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, params = [], []
@@ -130,7 +136,11 @@ def train(variant: str, layout: str = "dp+tp", steps: int = STEPS) -> dict:
         losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
         params.append(full_parameters(model))
     placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
-    meshes = {n: tuple(p.device_mesh.mesh_dim_names) for n, p in model.named_parameters() if hasattr(p, "device_mesh")}
+    meshes = {
+        n: (tuple(p.device_mesh.mesh_dim_names), tuple(p.device_mesh.shape))
+        for n, p in model.named_parameters()
+        if hasattr(p, "device_mesh")
+    }
     return {
         "losses": losses,
         "params": params,
@@ -199,7 +209,11 @@ def test_spmd_mesh_bad_input_is_named_before_any_collective(fake_pg):
     assert type(module) is nn.Linear and module.weight is weight
     with pytest.raises(ValueError, match=r"'cp'.*not a dimension.*\('dp', 'tp'\)"):
         fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="cp"))
-    with pytest.raises(NotImplementedError, match=r"lead"):
-        fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="tp"))
+    with pytest.raises(NotImplementedError, match=r"replicate dims must come before the shard dims"):
+        fully_shard(
+            linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="tp")
+        )
+    with pytest.raises(NotImplementedError, match=r"replicate-only"):
+        fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     with pytest.raises(ValueError, match=r"mesh="):
         fully_shard(linear([Replicate(), Replicate()]), dp_mesh_dims=DataParallelMeshDims(shard="dp"))

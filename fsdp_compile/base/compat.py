@@ -361,6 +361,23 @@ def is_compiled_module(module) -> bool:
     return isinstance(module, OptimizedModule)
 
 
+def called_through_compiled_wrapper(module) -> bool:
+    """Whether a ``torch.compile(module)`` wrapper (an ``OptimizedModule`` whose ``_orig_mod``
+    is ``module``) is calling ``module`` now: one of the callers' frames has it as ``self``.
+    (Walks the Python stack; for a once-per-unit decision, not a hot path.)"""
+    import sys
+
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, OptimizedModule) and caller._orig_mod is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def never_a_frame_of_its_own(fn: Callable) -> Callable:
     """torch/_dynamo/eval_frame.py ``skip_code``: Dynamo never compiles ``fn`` as a frame of
     its own (when eager code calls it, e.g. after a graph break made Dynamo fall back),
@@ -499,6 +516,12 @@ def concatenate_meshes(meshes: list):
     return DeviceMesh._concatenate(meshes)
 
 
+def flatten_mesh(mesh, name: str):
+    """torch/distributed/device_mesh.py ``DeviceMesh._flatten``: ``mesh``'s dimensions as one,
+    named ``name`` (a group over their ranks; what FSDP2 builds for several ``dp_mesh_dims``)."""
+    return mesh._flatten(name)
+
+
 def strided_shard(dim: int, split_factor: int):
     """torch/distributed/tensor/placement_types.py ``_StridedShard``: FSDP2's placement for
     a dimension that tensor parallelism already shards on a later mesh dimension."""
@@ -585,6 +608,7 @@ __all__ = [
     "concatenate_meshes",
     "group_ranks",
     "strided_shard",
+    "flatten_mesh",
     "run_by_compiled_code",
     "is_strided_shard",
     "in_backward_recompute",
@@ -607,6 +631,7 @@ __all__ = [
     "allow_side_effects",
     "units_entered_in_this_trace",
     "is_compiled_module",
+    "called_through_compiled_wrapper",
     "never_a_frame_of_its_own",
     "inside_compiled_call",
 ]
