@@ -91,18 +91,80 @@ def _distribute(model: nn.Module, mesh, data_parallel: set[str]) -> None:
             module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
 
 
+_MESHES: dict = {}
+
+
+def _mesh_of(layout: str):
+    """``layout``'s mesh, one per rank process: torch's FSDP2 refuses an equal mesh created
+    after one whose dims were flattened (its parameters' mesh is then "not the same mesh
+    passed to fully_shard"; two FSDP2 models on two such meshes fail alike)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout not in _MESHES:
+        shape, names, _ = LAYOUTS[layout]
+        _MESHES[layout] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[layout]
+
+
+def _sharded(kind: str, layout: str):
+    """The model on ``layout``'s mesh, ``kind``'s ``fully_shard`` per block and on the root;
+    returns it, the mesh and the data-parallel dim names."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from tests.models import fully_shard_of
+
+    dims = LAYOUTS[layout][2]
+    dp_mesh_dims = DataParallelMeshDims(**dims)
+    data_parallel = {*dp_mesh_dims.shard_names, *dp_mesh_dims.replicate_names}
+    model = _build()
+    mesh = _mesh_of(layout)
+    _distribute(model, mesh, data_parallel)
+    shard = fully_shard_of(kind)
+    for layer in model.layers:
+        shard(layer, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    return model, mesh, data_parallel
+
+
+def checkpoint_interchange(path: str, layout: str, writer: str, reader: str) -> float:
+    """``writer`` (``"ours"`` or ``"fsdp2"``) takes one SGD step and saves with DCP;
+    ``reader`` loads into a fresh model. The largest gap between their full parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fsdp_compile.testing import full_parameters
+
+    model, mesh, data_parallel = _sharded(writer, layout)
+    x, target = (
+        distribute_tensor(t, mesh, [Shard(0) if n in data_parallel else Replicate() for n in mesh.mesh_dim_names])
+        for t in _batch(0)
+    )
+    ((model(x) - target) ** 2).mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+    loaded = _sharded(reader, layout)[0]
+    state = {"model": get_model_state_dict(loaded)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(loaded, state["model"])
+    saved, restored = full_parameters(model), full_parameters(loaded)
+    assert saved.keys() == restored.keys()
+    return max((saved[k] - restored[k]).abs().max().item() for k in saved)
+
+
 def train(variant: str, layout: str = "dp+tp", steps: int = STEPS) -> dict:
     """Losses and full parameters after each SGD step. ``variant``: ``"reference"`` (one
     process, the global batch, its loss scaled as FSDP's averaging over the data-parallel
     ranks scales it), ``"fsdp2"`` (torch's ``fully_shard``, eager), ``"ours"`` or
     ``"ours:<backend>"`` (compiled with ``fullgraph=True``)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from fsdp_compile.testing import full_parameters
     from fsdp_compile.testing._torch_internals import reset_dynamo
-    from tests.models import compile_counting_graphs, fully_shard_of
+    from tests.models import compile_counting_graphs
 
     reset_dynamo()
     shape, names, dims = LAYOUTS[layout]
@@ -112,15 +174,9 @@ def train(variant: str, layout: str = "dp+tp", steps: int = STEPS) -> dict:
     for size, name in zip(shape, names, strict=True):
         dp_degree *= size if name in data_parallel else 1
     kind, _, backend = variant.partition(":")
-    model = _build()
-    mesh = None
+    model, mesh = _build(), None
     if kind != "reference":
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        _distribute(model, mesh, data_parallel)
-        shard = fully_shard_of(kind)
-        for layer in model.layers:
-            shard(layer, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
-        shard(model, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+        model, mesh, _ = _sharded(kind, layout)
         batch_placements = [Shard(0) if n in data_parallel else Replicate() for n in names]
     run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -180,6 +236,13 @@ def test_spmd_mesh_matches_fsdp2_and_reference(pool4, layout):
     assert ours_aot["graphs"] == 1
 
 
+@pytest.mark.parametrize("writer,reader", [("ours", "fsdp2"), ("fsdp2", "ours")])
+def test_spmd_checkpoints_interchange_with_fsdp2(pool4, tmp_path, writer, reader):
+    """DCP checkpoints of the flattened (dp_shard * cp) layout load bit for bit across
+    FSDP2 and ours, both ways."""
+    assert pool4.run(checkpoint_interchange, str(tmp_path / "ckpt"), "dp_shard*cp", writer, reader) == [0.0] * 4
+
+
 def _fake_mesh(shape=(2, 4), names=("dp", "tp")):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -210,9 +273,7 @@ def test_spmd_mesh_bad_input_is_named_before_any_collective(fake_pg):
     with pytest.raises(ValueError, match=r"'cp'.*not a dimension.*\('dp', 'tp'\)"):
         fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="cp"))
     with pytest.raises(NotImplementedError, match=r"replicate dims must come before the shard dims"):
-        fully_shard(
-            linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="tp")
-        )
+        fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="tp"))
     with pytest.raises(NotImplementedError, match=r"replicate-only"):
         fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     with pytest.raises(ValueError, match=r"mesh="):
