@@ -310,7 +310,9 @@ def test_reshard_to_a_smaller_group_is_rejected_with_tp(fake_pg):
     # and names across process groups, and the 3-D tests below slice an equal "tp" submesh.
     model, mesh = tp_models.build(), init_device_mesh("cpu", (4, 2), mesh_dim_names=("data", "model"))
     parallelize_module(model.layers[0], mesh["model"], tp_models.tp_plan(False)[1])
-    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 .*tensor-parallel parameters \(e\.g\. 'attention\.wq\.weight'\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"reshard_after_forward=2 .*tensor-parallel parameters \(e\.g\. 'attention\.wq\.weight'\)"
+    ):
         fully_shard(model.layers[0], mesh=mesh["data"], reshard_after_forward=2)
     fully_shard(model.layers[0], mesh=mesh["data"], reshard_after_forward=4)  # the whole dp group: True
 
@@ -356,8 +358,11 @@ def test_hsdp_tp_graph_structure(world_size):
         assert placements["layers.0.attention.wq.weight"] == ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
         assert placements["layers.0.feed_forward.w2.weight"] == ("Replicate()", "Shard(dim=0)", "Shard(dim=1)")
         fw, bw = _one_step_graphs_keeping_only_the_roots_weights(model)
-        groups = {"shard": mesh["shard"].get_group().group_name, "replicate": mesh["replicate"].get_group().group_name,
-                  "tp": mesh["tp"].get_group().group_name}
+        groups = {
+            "shard": mesh["shard"].get_group().group_name,
+            "replicate": mesh["replicate"].get_group().group_name,
+            "tp": mesh["tp"].get_group().group_name,
+        }
         by_role: dict = {}
         for n in [*fw.graph.nodes, *bw.graph.nodes]:
             if collective_kind(n):
@@ -393,9 +398,15 @@ def _hf_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ,
-        attn_implementation="sdpa", tie_word_embeddings=False,
+        vocab_size=HF_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=HF_SEQ,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -490,8 +501,13 @@ def _hf_model(arch: str, intermediate_size: int = 128):
     import transformers
 
     common = dict(
-        vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=HF_SEQ,
+        vocab_size=HF_VOCAB,
+        hidden_size=64,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=HF_SEQ,
         tie_word_embeddings=False,
     )
     extra = {"qwen3": dict(head_dim=16), "mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "llama": {}}[arch]
@@ -546,7 +562,10 @@ def test_transformers_own_tp_plan_matches_reference_and_fsdp2(pool4, arch):
     tp_only = pool4.run(train_hf_own_plan, "tp_only:eager", arch)[0]  # graphs are Dynamo's: no AOTAutograd needed
     assert ours_eager["placements"] == fsdp2["placements"]
     if arch == "mixtral":
-        assert ours_eager["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == ("Shard(dim=0)", "_StridedShard(dim=1, sf=2)")
+        assert ours_eager["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == (
+            "Shard(dim=0)",
+            "_StridedShard(dim=1, sf=2)",
+        )
     assert _max_gap(fsdp2, reference) < 1e-5
     assert _max_gap(ours_eager, reference) < 1e-5
     assert _max_gap(ours_aot, ours_eager) == 0.0
@@ -643,3 +662,89 @@ def test_experts_with_ep_and_tp_compile_to_one_graph(fake_pg):
     reset_dynamo()
     assert result["graphs"] == 1
     assert result["placements"]["w2"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)", "Shard(dim=1)")
+
+
+# -------------------------------- expert parallelism: tokens dispatched by all-to-all
+
+
+class _DispatchedExperts(nn.Module):
+    """One expert per rank of the ``ep`` mesh, its weight a ``Shard(0)`` ``DTensor`` there
+    (torchtitan's ``ExpertParallel``); the forward computes on its local tensor."""
+
+    def __init__(self, ep_mesh, dim: int) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        experts = ep_mesh.size()
+        self.ep = ep_mesh
+        self.w = nn.Parameter(distribute_tensor(0.3 * torch.randn(experts, dim, dim), ep_mesh, [Shard(0)]))
+
+    def forward(self, tokens):
+        """``tokens``: ``[ep, n, dim]``, row ``r`` for the expert of ep rank ``r``: sent
+        there by an all-to-all (equal splits, a fixed capacity), computed, sent back."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        group = self.ep.get_group()
+        shape = tokens.shape
+        received = all_to_all_single_autograd(tokens.flatten(0, 1), None, None, group).view(shape)
+        local = self.w.to_local()[0]
+        return all_to_all_single_autograd(torch.relu(received @ local).flatten(0, 1), None, None, group).view(shape)
+
+
+class _ExpertParallelBlock(nn.Module):
+    def __init__(self, ep_mesh, dim: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(dim, dim), nn.Linear(dim, 4)
+        self.experts = _DispatchedExperts(ep_mesh, dim)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        routed = self.experts(h.unflatten(0, (self.experts.ep.size(), -1))).flatten(0, 1)
+        return self.out(h + routed)
+
+
+def train_expert_parallel(kind: str, backend: str | None = None) -> dict:
+    """torchtitan's layout on 2 ranks: the experts on ``ep`` (2) under FSDP over ``efsdp``
+    (1), the rest under FSDP over all ranks; 3 SGD steps, each rank its own tokens.
+    Losses, full parameters, graphs, and the collectives the forward graph holds."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+    from tests.models import compile_counting_graphs, fully_shard_of
+
+    reset_dynamo()
+    experts_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("efsdp", "ep"))
+    model = _ExpertParallelBlock(experts_mesh["ep"])
+    shard = fully_shard_of(kind)
+    shard(model.experts, mesh=experts_mesh["efsdp"])
+    shard(model)
+    run, counter = compile_counting_graphs(model, backend, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses, params = [], []
+    for _ in range(STEPS):
+        loss = run(torch.randn(6, 8, generator=gen)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        params.append(full_parameters(model))
+    graphs = counter.frame_count if counter else None
+    return {"losses": losses, "params": params, "graphs": graphs}
+
+
+def test_expert_parallel_dispatch_by_all_to_all_matches_fsdp2(pool2):
+    """Experts on their own mesh with token dispatch by all-to-all in the sharded forward
+    (torchtitan's EP layout, FSDP over ``efsdp`` for the experts, over all ranks for the
+    rest): ours eager is bitwise FSDP2's, and compiled with ``fullgraph=True`` (the
+    all-to-alls in the same graph as our collectives) one graph, bitwise ours eager."""
+    fsdp2 = pool2.run(train_expert_parallel, "fsdp2")
+    ours = pool2.run(train_expert_parallel, "ours")
+    compiled = pool2.run(train_expert_parallel, "ours", "aot_eager_passes")
+    for rank in range(2):
+        assert _max_gap(ours[rank], fsdp2[rank]) == 0.0
+        assert _max_gap(compiled[rank], ours[rank]) == 0.0
+        assert compiled[rank]["graphs"] == 1
