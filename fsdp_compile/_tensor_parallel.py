@@ -12,26 +12,25 @@ optimizers and DCP see what they see with FSDP2 + TP.
 With an SPMD mesh (``fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))``)
 a parameter is a ``DTensor`` of the *full* mesh with ``Replicate()`` on the data-parallel
 dims, and so is what the module reads: the gathered local tensor wrapped on the full
-mesh. Its gradient comes back ``Partial()`` on those dims (each data-parallel rank's
-batch); FSDP reduces that local gradient itself, so the wrap hands it back ``Partial()``
-there and redistributes only the other dims (FSDP2's ``_get_grad_inner_tensor`` does the
-same). A gradient ``Replicate()`` on a data-parallel dim (every rank of it ran the same
-batch) is divided by the dim's size on the way (``Replicate()`` to ``Partial()``), where
-FSDP2 takes it as it is: ``DTensor.from_local``'s own backward, which Dynamo and
-AOTAutograd trace with the gradient's real placements (an ``autograd.Function`` of ours
-would be traced by Dynamo for the forward's placements only). The registered parameter
+mesh. Its gradient's local tensor is what FSDP reduces over those dims, as it comes
+(``Partial()``: each data-parallel rank's batch; or ``Replicate()``, as for inputs
+declared replicated): the wrap's backward redistributes only the other dims, as FSDP2's
+``_get_grad_inner_tensor`` does. That backward branches on the gradient's placements, so
+Dynamo must not trace it (it would, for the forward output's placements, and skip a TP
+all-reduce the real gradient needs): the wrap is one ``allow_in_graph`` node, which
+AOTAutograd traces with the gradient's real placements. The registered parameter
 is FSDP2's: on the full mesh, or, where several dims are sharded over as one (e.g.
 ``shard=("dp_shard", "cp")``), on that flattened dim and the others (:func:`spmd_param_layout`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_compile.base.compat import concatenate_meshes, flatten_mesh, is_strided_shard, strided_shard
 from fsdp_compile.runtime.process_groups import label_mesh_groups
@@ -48,6 +47,17 @@ class TensorParallelSpec:
     # With dp_mesh_dims: which dims of ``mesh`` are data-parallel (``Replicate()`` in
     # ``placements``; FSDP's to shard and reduce over); none for a TP mesh.
     data_parallel_dims: tuple[int, ...] = ()
+    # With dp_mesh_dims: ``_FromLocalLeavingDataParallelGrad`` for this layout as one
+    # ``allow_in_graph`` node (whose arguments are tensors only).
+    _wrap_leaving_data_parallel_grad: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_dims:
+
+            def wrap(local: torch.Tensor) -> DTensor:
+                return _FromLocalLeavingDataParallelGrad.apply(local, self)
+
+            object.__setattr__(self, "_wrap_leaving_data_parallel_grad", torch.compiler.allow_in_graph(wrap))
 
     @classmethod
     def of(cls, param: DTensor, data_parallel_dims: tuple[int, ...] = ()) -> TensorParallelSpec:
@@ -74,20 +84,31 @@ class TensorParallelSpec:
 
     def wrap(self, local_full: torch.Tensor) -> DTensor:
         """The TP ``DTensor`` whose local tensor is ``local_full`` (the gathered TP shard).
-        With ``dp_mesh_dims``, its gradient is handed back ``Partial()`` on the data-parallel
-        dims (unreduced: FSDP reduces it) and in the forward's placements on the others."""
-        grad_placements = None
+        With ``dp_mesh_dims``, its gradient's local tensor comes back as it is on the
+        data-parallel dims (FSDP reduces it) and in the forward's placements on the others."""
         if self.data_parallel_dims:
-            grad_placements = tuple(Partial() if i in self.data_parallel_dims else p for i, p in enumerate(self.placements))
-        return DTensor.from_local(
-            local_full,
-            self.mesh,
-            self.placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride,
-            grad_placements=grad_placements,
-        )
+            return self._wrap_leaving_data_parallel_grad(local_full)
+        return DTensor.from_local(local_full, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+
+
+class _FromLocalLeavingDataParallelGrad(torch.autograd.Function):
+    """``DTensor.from_local`` whose backward leaves the gradient as it comes on the
+    data-parallel dims and redistributes the others to the forward's placements."""
+
+    @staticmethod
+    def forward(ctx, local, spec: TensorParallelSpec):
+        ctx.spec = spec
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        if isinstance(grad, DTensor):
+            target = tuple(grad.placements[i] if i in spec.data_parallel_dims else p for i, p in enumerate(spec.placements))
+            if tuple(grad.placements) != target:
+                grad = grad.redistribute(spec.mesh, target)
+            grad = grad.to_local()
+        return grad, None
 
 
 def check_tensor_parallel_param(param: DTensor, fqn: str, dp_mesh: DeviceMesh, unit_name: str) -> None:

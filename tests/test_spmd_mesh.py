@@ -154,11 +154,14 @@ def checkpoint_interchange(path: str, layout: str, writer: str, reader: str) -> 
     return max((saved[k] - restored[k]).abs().max().item() for k in saved)
 
 
-def train(variant: str, layout: str = "dp+tp", steps: int = STEPS) -> dict:
+def train(variant: str, layout: str = "dp+tp", steps: int = STEPS, declared_replicated: bool = False) -> dict:
     """Losses and full parameters after each SGD step. ``variant``: ``"reference"`` (one
     process, the global batch, its loss scaled as FSDP's averaging over the data-parallel
     ranks scales it), ``"fsdp2"`` (torch's ``fully_shard``, eager), ``"ours"`` or
-    ``"ours:<backend>"`` (compiled with ``fullgraph=True``)."""
+    ``"ours:<backend>"`` (compiled with ``fullgraph=True``). ``declared_replicated``: each
+    data-parallel rank's own batch, declared ``Replicate()`` on every dim (upstream's
+    ``test_fully_shard_dtensor.py`` trains so, DDP-like): gradients then come back
+    ``Replicate()`` on the data-parallel dims, which FSDP takes as they are."""
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -183,7 +186,11 @@ def train(variant: str, layout: str = "dp+tp", steps: int = STEPS) -> dict:
     losses, params = [], []
     for step in range(steps):
         x, target = _batch(step)
-        if mesh is not None:
+        if mesh is not None and declared_replicated:
+            rank = mesh.get_coordinate()[names.index(dp_mesh_dims.shard_names[0])]
+            x, target = (t.chunk(dp_degree)[rank] for t in (x, target))
+            x, target = (DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False) for t in (x, target))
+        elif mesh is not None:
             x, target = (distribute_tensor(t, mesh, batch_placements) for t in (x, target))
         loss = ((run(x) - target) ** 2).mean()
         (loss if kind != "reference" else loss / dp_degree).backward()
@@ -241,6 +248,16 @@ def test_spmd_checkpoints_interchange_with_fsdp2(pool4, tmp_path, writer, reader
     """DCP checkpoints of the flattened (dp_shard * cp) layout load bit for bit across
     FSDP2 and ours, both ways."""
     assert pool4.run(checkpoint_interchange, str(tmp_path / "ckpt"), "dp_shard*cp", writer, reader) == [0.0] * 4
+
+
+def test_spmd_mesh_takes_replicated_gradients_as_fsdp2(pool4):
+    """Each rank's own batch declared ``Replicate()`` (upstream's DDP-like parity test): the
+    gradients' local tensors are reduced as they come, as FSDP2 reduces them, bitwise."""
+    fsdp2 = pool4.run(train, "fsdp2", "dp+tp", 2, True)[0]
+    ours = pool4.run(train, "ours", "dp+tp", 2, True)[0]
+    ours_aot = pool4.run(train, "ours:aot_eager", "dp+tp", 2, True)[0]
+    assert _max_gap(ours, fsdp2) == 0.0
+    assert _max_gap(ours_aot, ours) < 1e-6 and ours_aot["graphs"] == 1
 
 
 def _fake_mesh(shape=(2, 4), names=("dp", "tp")):
