@@ -76,11 +76,7 @@ class TensorParallelSpec:
 
     def shards_on(self, dim: int) -> int:
         """Into how many pieces TP splits dimension ``dim``."""
-        n = 1
-        for size, placement in zip(self.mesh.shape, self.placements, strict=True):
-            if _splits_a_dim(placement) and placement.dim % len(self.shape) == dim:
-                n *= size
-        return n
+        return self.shards_after(-1, dim)
 
     def wrap(self, local_full: torch.Tensor) -> DTensor:
         """The TP ``DTensor`` whose local tensor is ``local_full`` (the gathered TP shard).
