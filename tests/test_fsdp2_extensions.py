@@ -55,6 +55,21 @@ def _upcast_post_all_gather(outputs, metadata, param_dtype, out=None):
     return upcast, (tensor, upcast)
 
 
+def _sum_loss_steps(model: nn.Module, opt, dim: int) -> list[float]:
+    """Upstream's loop: ``STEPS`` optimizer steps on ``model(inp).sum()``, one input of
+    width ``dim`` per rank (seeded as upstream seeds it); the losses."""
+    torch.manual_seed(42 + dist.get_rank() + 1)
+    inp = torch.randn(2, dim)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(inp).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
 # ---------------------------------------------------------------- TwoTensor parity
 
 
@@ -176,15 +191,7 @@ def train_monkey_patched(kind: str) -> dict:
             local.fsdp_pre_all_gather, local.fsdp_post_all_gather = pre.__get__(local), post.__get__(local)
             patched += 1
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
-    torch.manual_seed(42 + dist.get_rank() + 1)
-    inp = torch.randn(2, 8)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(inp).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+    losses = _sum_loss_steps(model, opt, 8)
     local = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     return {"ran": bool(ran), "patched": patched, "losses": losses, "local": local}
 
@@ -228,7 +235,9 @@ class BFloat16AllGatherTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        out = func(*pytree.tree_map_only(cls, lambda x: x._data, args), **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}))
+        out = func(
+            *pytree.tree_map_only(cls, lambda x: x._data, args), **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {})
+        )
         return pytree.tree_map_only(torch.Tensor, cls, out)
 
     def __tensor_flatten__(self):
@@ -253,15 +262,7 @@ def train_padded_by_pre_hook(kind: str) -> dict:
                 setattr(module, name, nn.Parameter(BFloat16AllGatherTensor(param.detach())))
     fully_shard_of(kind)(model, reshard_after_forward=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch.manual_seed(42 + dist.get_rank() + 1)
-    inp = torch.randn(2, 3)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(inp).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+    losses = _sum_loss_steps(model, opt, 3)
     rows = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     full = {n: (t._data if isinstance(t, BFloat16AllGatherTensor) else t) for n, t in full_parameters(model).items()}
     return {"losses": losses, "params": full, "local_shapes": rows}
@@ -270,7 +271,9 @@ def train_padded_by_pre_hook(kind: str) -> dict:
 def test_all_gather_extension_outer_size_stride(pool2):
     """Rows that do not divide evenly are split as FSDP2 splits them (5 and 4 of 9) and the
     pre hook's padding is cut off after the gather: ours trains bitwise as FSDP2."""
-    for ours, fsdp2 in zip(pool2.run(train_padded_by_pre_hook, "ours"), pool2.run(train_padded_by_pre_hook, "fsdp2"), strict=True):
+    for ours, fsdp2 in zip(
+        pool2.run(train_padded_by_pre_hook, "ours"), pool2.run(train_padded_by_pre_hook, "fsdp2"), strict=True
+    ):
         assert ours["local_shapes"] == fsdp2["local_shapes"]
         assert ours["losses"] == fsdp2["losses"]
         for name, tensor in ours["params"].items():

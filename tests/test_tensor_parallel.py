@@ -613,32 +613,44 @@ class _ExpertsEPTP(nn.Module):
 def train_experts_ep_tp(kind: str, backend: str | None = None) -> dict:
     """3 SGD steps of the experts on a (dp=2, ep=2, tp=2) mesh, ``kind``'s ``fully_shard``
     over dp; each dp rank its own batch. Losses, full parameters, placements, graphs."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile.testing import full_parameters
     from fsdp_compile.testing._torch_internals import reset_dynamo
-    from tests.models import compile_counting_graphs, fully_shard_of
+    from tests.models import fully_shard_of
 
     reset_dynamo()
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
     model = _ExpertsEPTP(mesh["ep", "tp"])
     fully_shard_of(kind)(model, mesh=mesh["dp"])
+    result = _sgd_steps(model, backend, mesh["dp"].get_local_rank(), global_loss=True)
+    placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()}
+    return {**result, "placements": placements}
+
+
+def _sgd_steps(model, backend: str | None, seed: int, *, global_loss: bool) -> dict:
+    """``STEPS`` SGD steps of ``model`` (compiled with ``backend`` and ``fullgraph=True``,
+    or eager) on ``[6, 8]`` inputs seeded by ``seed``: the losses (summed over the ranks
+    where ``global_loss``), full parameters after each step, and the graph count."""
+    import torch.distributed as dist
+
+    from fsdp_compile.testing import full_parameters
+    from tests.models import compile_counting_graphs
+
     run, counter = compile_counting_graphs(model, backend, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+    gen = torch.Generator().manual_seed(seed)
     losses, params = [], []
     for _ in range(STEPS):
         loss = run(torch.randn(6, 8, generator=gen)).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item())
+        value = loss.detach().clone()
+        if global_loss:
+            dist.all_reduce(value)
+        losses.append(value.item())
         params.append(full_parameters(model))
-    placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "graphs": counter.frame_count if counter else None, "placements": placements}
+    return {"losses": losses, "params": params, "graphs": counter.frame_count if counter else None}
 
 
 def test_experts_with_ep_and_tp_on_one_parameter_match_fsdp2_on_8_ranks(rank_pools):
@@ -711,9 +723,8 @@ def train_expert_parallel(kind: str, backend: str | None = None) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compile.testing import full_parameters
     from fsdp_compile.testing._torch_internals import reset_dynamo
-    from tests.models import compile_counting_graphs, fully_shard_of
+    from tests.models import fully_shard_of
 
     reset_dynamo()
     experts_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("efsdp", "ep"))
@@ -721,19 +732,7 @@ def train_expert_parallel(kind: str, backend: str | None = None) -> dict:
     shard = fully_shard_of(kind)
     shard(model.experts, mesh=experts_mesh["efsdp"])
     shard(model)
-    run, counter = compile_counting_graphs(model, backend, fullgraph=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    losses, params = [], []
-    for _ in range(STEPS):
-        loss = run(torch.randn(6, 8, generator=gen)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        params.append(full_parameters(model))
-    graphs = counter.frame_count if counter else None
-    return {"losses": losses, "params": params, "graphs": graphs}
+    return _sgd_steps(model, backend, dist.get_rank(), global_loss=False)
 
 
 def test_expert_parallel_dispatch_by_all_to_all_matches_fsdp2(pool2):
