@@ -32,7 +32,7 @@ def _all_gathered_over_gloo(t: DTensor) -> torch.Tensor | None:
 
     local = t.to_local()
     sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
-    if type(local) is not torch.Tensor or len(sharded) > 1:
+    if len(sharded) > 1:
         return None
     if not sharded:
         return local
@@ -40,13 +40,39 @@ def _all_gathered_over_gloo(t: DTensor) -> torch.Tensor | None:
     group = t.device_mesh.get_group(mesh_dim)
     if type(placement) is not Shard or placement.dim != 0 or dist.get_backend(group) != "gloo":
         return None
-    size = t.device_mesh.size(mesh_dim)
-    rows = -(-t.shape[0] // size)
+    if type(local) is not torch.Tensor:
+        return _wrapper_gathered(local, t.shape, group, t.device_mesh.size(mesh_dim))
+    return _rows_gathered(local, t.shape[0], group, t.device_mesh.size(mesh_dim))
+
+
+def _wrapper_gathered(local, shape, group, size) -> torch.Tensor | None:
+    """A wrapper subclass's whole tensor (``TwoTensor``-like: ``__tensor_flatten__``
+    with inner tensors of the outer shape), each inner tensor gathered by rows;
+    ``None`` for a subclass whose inner tensors are laid out otherwise (NF4, float8)."""
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, ctx = flatten()
+    inner = {name: getattr(local, name) for name in names}
+    if any(type(x) is not torch.Tensor or x.shape != local.shape for x in inner.values()):
+        return None
+    import inspect
+
+    unflatten = type(local).__tensor_unflatten__
+    if len(inspect.signature(unflatten).parameters) != 4:  # (inner, ctx, outer_size, outer_stride)
+        return None
+    whole = {name: _rows_gathered(x, shape[0], group, size) for name, x in inner.items()}
+    return unflatten(whole, ctx, shape, torch.empty(shape).stride())
+
+
+def _rows_gathered(local: torch.Tensor, rows_whole: int, group, size: int) -> torch.Tensor:
+    """The whole tensor of ``torch.chunk`` rows ``local`` over ``group`` (padded all-gather)."""
+    rows = -(-rows_whole // size)
     padded = local.new_zeros((rows, *local.shape[1:]))
     padded[: local.shape[0]] = local
     out = local.new_empty((rows * size, *local.shape[1:]))
     dist.all_gather_into_tensor(as_movable(out), as_movable(padded), group=group)  # (float8 as its bytes)
-    return out[: t.shape[0]]
+    return out[:rows_whole]
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
