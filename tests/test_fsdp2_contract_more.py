@@ -1208,6 +1208,8 @@ def state_dict_2d(kind: str, mlp_dim: int) -> dict:
 
 
 def rank0_offload_full_state_dict(kind: str) -> dict:
+    from fsdp_compile.testing import full_tensor
+
     fully_shard = fully_shard_of(kind)
     torch.manual_seed(42)
     ref = nn.Sequential(nn.Linear(8, 8), *[MLP(5 + 3, dim_multiplier=3) for _ in range(2)], nn.Linear(8, 3))
@@ -1219,7 +1221,7 @@ def rank0_offload_full_state_dict(kind: str) -> dict:
     sharded = model.state_dict()
     full = {}
     for name, t in sharded.items():
-        value = t.full_tensor()
+        value = full_tensor(t)  # (DTensor.full_tensor back to back: gloo heap race, README)
         if dist.get_rank() == 0:
             full[name] = value.cpu()
     ref_full = {k: v.cpu() for k, v in ref.state_dict().items()} if dist.get_rank() == 0 else {}

@@ -141,6 +141,7 @@ def assign_after_fully_shard(kind: str, assigned: str) -> dict:
     as FSDP2's test assigns it) or ``"full"`` (its full tensor: FSDP2 fails on that)."""
     from torch.distributed.tensor import Replicate
 
+    from fsdp_compile.testing import full_tensor
     from tests.models import fully_shard_of
 
     fully_shard = fully_shard_of(kind)
@@ -171,8 +172,8 @@ def assign_after_fully_shard(kind: str, assigned: str) -> dict:
     loss.backward()
     return {
         "loss": loss.item(),
-        "grad": model.weight_norm.grad.full_tensor(),
-        "value": model.weight_norm.detach().full_tensor(),
+        "grad": full_tensor(model.weight_norm.grad),
+        "value": full_tensor(model.weight_norm),
         "errors": errors,
     }
 

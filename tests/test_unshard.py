@@ -83,7 +83,7 @@ def train_chunked_loss(kind: str, backend: str | None) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing import full_parameters, full_tensor
     from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
@@ -101,7 +101,7 @@ def train_chunked_loss(kind: str, backend: str | None) -> dict:
     for _ in range(STEPS):
         tokens = torch.randint(0, 16, (2, 6), generator=gen)
         losses.append(_chunked_loss(model, trunk(tokens), torch.roll(tokens, -1, 1), head).item())
-        head_grads.append(None if model.lm_head.weight.grad is None else model.lm_head.weight.grad.full_tensor())
+        head_grads.append(None if model.lm_head.weight.grad is None else full_tensor(model.lm_head.weight.grad))
         opt.step()
         opt.zero_grad()
     return {"seen": seen, "losses": losses, "head_grads": head_grads, "params": full_parameters(model)}
