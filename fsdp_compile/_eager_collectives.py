@@ -47,7 +47,10 @@ def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
         spec.reduce_dtype,
         spec.reduce_op,
         spec.grad_scale,
+        spec.grad_predivide,
+        spec.grad_postdivide,
         spec.reduce_group_names,
+        spec.all_reduce_ops(),
         local.requires_grad,
     )
 
@@ -97,8 +100,9 @@ class ReduceScatterInFlight:
 
     reduced: torch.Tensor  # the collective's output, written asynchronously
     layouts: list[ShardLayout]
-    reduce_op: str
     reduce_group_names: tuple[str, ...]
+    reduce_group_ops: tuple[str, ...]
+    postdivide: float | None
     shard_dtypes: list[torch.dtype]
 
     def wait(self) -> list[torch.Tensor]:
@@ -108,8 +112,10 @@ class ReduceScatterInFlight:
             width = layout.padded_numel
             shards.append(out[offset : offset + width].view(layout.padded_local_shape)[: layout.local_rows])
             offset += width
-        for group_name in self.reduce_group_names:
-            shards = _all_reduce_bucket(shards, self.reduce_op, group_name)
+        for group_name, op in zip(self.reduce_group_names, self.reduce_group_ops, strict=True):
+            shards = _all_reduce_bucket(shards, op, group_name)
+        if self.postdivide is not None:
+            shards = [s / self.postdivide for s in shards]
         return [s.to(dtype) for s, dtype in zip(shards, self.shard_dtypes, strict=True)]
 
 
@@ -123,12 +129,16 @@ def issue_reduce_scatter_bucket(
         grads = [g.to(spec.reduce_dtype) for g in grads]
     if spec.grad_scale is not None:
         grads = [g * spec.grad_scale for g in grads]
+    if spec.grad_predivide is not None:
+        grads = [g / spec.grad_predivide for g in grads]
     world_size, group_name = layouts[0].world_size, layouts[0].group_name
     flat = reduce_scatter_copy_in(
         [g.contiguous() for g in grads], [layout.padded_numel * world_size for layout in layouts], world_size
     )
     reduced = issue_reduce_scatter(flat, spec.reduce_op, world_size, group_name)
-    return ReduceScatterInFlight(reduced, list(layouts), spec.reduce_op, tuple(spec.reduce_group_names), list(shard_dtypes))
+    return ReduceScatterInFlight(
+        reduced, list(layouts), spec.reduce_group_names, spec.all_reduce_ops(), spec.grad_postdivide, list(shard_dtypes)
+    )
 
 
 def _all_reduce_bucket(shards: list[torch.Tensor], reduce_op: str, group_name: str) -> list[torch.Tensor]:

@@ -50,10 +50,11 @@ class FSDP2TuningMethods:
             raise ValueError(f"set_reduce_scatter_max_input_buffers({max_input_buffers}): must be >= 1")
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for FSDP2 compatibility; changes no value: FSDP2 uses it to keep NCCL
-        on sum reductions (zero-copy transfers, no ``PREMUL_SUM``); here a divide factor
-        (:meth:`set_gradient_divide_factor`) is already a pre-scale and a sum, and the
-        default average is the group's own ``avg``."""
+        """Reduce this unit's gradients with sums only, as FSDP2 does (NCCL's zero-copy
+        transfers; gloo has no ``PREMUL_SUM``): the average or the divide factor is then
+        a division of the reduced gradient (in float16, half of it before the sum), with
+        FSDP2's rounding (:func:`fsdp_compile.runtime.collectives.gradient_reduction`)."""
+        self._fsdp_unit.update(force_sum_reduction_for_comms=bool(enable))
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Accepted for FSDP2 compatibility; changes nothing: reduce-scatters and all-gathers

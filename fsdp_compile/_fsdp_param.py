@@ -40,6 +40,7 @@ from fsdp_compile.base.compat import (
     NO_ANNOTATION,
     alias_of_local_tensor,
     annotating,
+    fsdp2_reduces_in_original_dtype,
     functorch_transforms_active,
     fx_annotate,
     local_tensor_of,
@@ -53,6 +54,7 @@ from fsdp_compile.runtime.collectives import (
     ShardLayout,
     gather_post_forward_shard,
     gather_with_grad_sync,
+    gradient_reduction,
     post_forward_shard,
 )
 from fsdp_compile.runtime.vocabulary import FRAME_UNIT, CollectiveTag, Role
@@ -286,7 +288,22 @@ class FSDPParam:
     def refresh_spec(self) -> None:
         """Rebuild :attr:`spec` from the unit's current options (it runs whenever one of ``_fsdp_state.SPEC_OPTIONS`` is written)."""
         unit = self.unit
-        factor = unit.gradient_divide_factor
+        dp = unit.dp_mesh
+        replicas = 1 if dp.replicate_dim is None else dp.mesh.size(dp.replicate_dim)
+        # The dtype gradients are reduced in, FSDP2's: the policy's; else the gradient's
+        # (torch 2.13), or the parameter's original one, the gradient upcast (2.15).
+        policy_reduce_dtype = unit.mp_policy.reduce_dtype
+        if policy_reduce_dtype is None and self.param_dtype is not None and fsdp2_reduces_in_original_dtype():
+            policy_reduce_dtype = self.sharded_param.dtype
+        reduce_dtype = policy_reduce_dtype or self.param_dtype or self.sharded_param.dtype
+        arithmetic = gradient_reduction(
+            reduce_dtype, dp.shard_world_size, replicas, unit.gradient_divide_factor, unit.force_sum_reduction_for_comms
+        )
+        # A replicated parameter's gradient is all-reduced over the shard group first:
+        # that all-reduce stands for the reduce-scatter.
+        ops = [arithmetic.all_reduce_op] * len(self.reduce_group_names)
+        if self.layout is None and ops and dp.shard_group_name == self.reduce_group_names[0]:
+            ops[0] = arithmetic.reduce_op
         self.spec = CollectiveSpec(
             layout=self.layout,
             tag=CollectiveTag(
@@ -299,10 +316,13 @@ class FSDPParam:
                 reshard_to=unit.reshard_to if unit.frees_gathered_after_forward() else None,
             ),
             reduce_group_names=self.reduce_group_names,
-            reduce_op="avg" if factor is None else "sum",
-            grad_scale=None if factor is None else 1.0 / factor,
+            reduce_op=arithmetic.reduce_op,
+            reduce_group_ops=tuple(ops),
+            grad_scale=arithmetic.premultiply,
+            grad_predivide=arithmetic.predivide,
+            grad_postdivide=arithmetic.postdivide,
             param_dtype=self.param_dtype,
-            reduce_dtype=unit.mp_policy.reduce_dtype,
+            reduce_dtype=policy_reduce_dtype,
         )
         # The same collectives, named relative to the unit: what a compiled frame of this
         # unit's own traces (see ``FSDPUnit.traced_naming``); prefetch hints name

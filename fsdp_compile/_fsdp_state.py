@@ -85,6 +85,7 @@ SPEC_OPTIONS = frozenset(
         "reshard_to",
         "reshard_after_backward",
         "gradient_divide_factor",
+        "force_sum_reduction_for_comms",
         "forward_prefetched_by",
         "backward_prefetched_by",
         "mp_policy",
@@ -122,6 +123,9 @@ class FSDPUnit:
     # (FSDP2's set_reshard_after_backward; e.g. between gradient-accumulation micro-batches).
     reshard_after_backward: bool = True
     gradient_divide_factor: float | None = None  # None: average over the group
+    # FSDP2's set_force_sum_reduction_for_comms: reductions are sums, the division
+    # done by the gradient's own ops (runtime.collectives.gradient_reduction).
+    force_sum_reduction_for_comms: bool = False
     # FSDP2's set_reduce_scatter_unused_params: eager backward reduces a zero gradient
     # for a parameter that got none on this rank (ranks that used different parameters
     # then still issue the same reduce-scatter); False: such a parameter is left out

@@ -264,7 +264,9 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide gradients by ``factor`` instead of averaging over the data-parallel
-        group (the reduction becomes a sum of gradients pre-divided by ``factor``)."""
+        group, with FSDP2's arithmetic (float32 / bfloat16: a sum of gradients
+        pre-multiplied by ``1 / factor``; float16 or ``set_force_sum_reduction_for_comms``:
+        a sum, divided before and after: :func:`fsdp_compile.runtime.collectives.gradient_reduction`)."""
         if factor <= 0:
             raise ValueError(f"set_gradient_divide_factor({factor}): the factor must be positive")
         for unit in units_in(self, recurse=False):

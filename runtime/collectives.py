@@ -85,9 +85,12 @@ class CollectiveSpec:
             the backward's nodes carry ``REDUCE_GRAD`` / ``REPLICATE_GRAD``).
         reduce_group_names: groups the gradient is all-reduced over after the
             reduce-scatter (HSDP's replicate dimension), or instead of it (replicated).
-        reduce_op: ``"avg"`` over each group (FSDP2's default) or ``"sum"``.
-        grad_scale: multiplies the gradient before the reduction
-            (``set_gradient_divide_factor``).
+        reduce_op: the reduce-scatter's reduction, ``"avg"`` (FSDP2's default) or ``"sum"``.
+        reduce_group_ops: each all-reduce's (``None``: ``reduce_op`` for every group).
+        grad_scale: multiplies the gradient before the reduction (NCCL's ``PREMUL_SUM``).
+        grad_predivide / grad_postdivide: divide the gradient before the reduction, and
+            after the last all-reduce (FSDP2's sum reductions: see
+            :func:`gradient_reduction`).
         param_dtype / reduce_dtype: the mixed-precision policy's (``None``: keep the
             shard's / the gradient's dtype).
     """
@@ -96,7 +99,10 @@ class CollectiveSpec:
     tag: CollectiveTag
     reduce_group_names: tuple[str, ...] = ()
     reduce_op: str = "avg"
+    reduce_group_ops: tuple[str, ...] | None = None
     grad_scale: float | None = None
+    grad_predivide: float | None = None
+    grad_postdivide: float | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     # The ``fx_annotate`` values of the traced nodes, built once from ``tag`` (traced
@@ -117,13 +123,71 @@ class CollectiveSpec:
     def __post_init__(self) -> None:
         key = repr(self)
         object.__setattr__(self, "key", key)
-        local_only = self.layout is None and not self.reduce_group_names and self.grad_scale is None
+        if self.reduce_group_ops is not None and len(self.reduce_group_ops) != len(self.reduce_group_names):
+            raise ValueError(f"CollectiveSpec: {len(self.reduce_group_names)} reduce groups, {len(self.reduce_group_ops)} ops")
+        local_only = (
+            self.layout is None
+            and not self.reduce_group_names
+            and self.grad_scale is None
+            and self.grad_predivide is None
+            and self.grad_postdivide is None
+        )
         object.__setattr__(self, "local_only", local_only and self.reduce_dtype in (None, self.param_dtype))
         _SPECS_BY_KEY.setdefault(key, self)
         all_reduce_role = Role.REDUCE_GRAD if self.layout is None else Role.REPLICATE_GRAD
         object.__setattr__(self, "meta", self.tag.as_meta())
         object.__setattr__(self, "reduce_meta", self.tag.as_meta(Role.REDUCE_GRAD))
         object.__setattr__(self, "all_reduce_meta", self.tag.as_meta(all_reduce_role))
+
+    def all_reduce_ops(self) -> tuple[str, ...]:
+        """The reduction of each all-reduce over :attr:`reduce_group_names`, in order."""
+        return self.reduce_group_ops if self.reduce_group_ops is not None else (self.reduce_op,) * len(self.reduce_group_names)
+
+
+class GradientReduction(NamedTuple):
+    """How a gradient is scaled and reduced (:func:`gradient_reduction`)."""
+
+    reduce_op: str  # the reduce-scatter's
+    all_reduce_op: str  # the all-reduces' after it (HSDP's replicate dimension)
+    premultiply: float | None = None  # before the reduction (NCCL's PREMUL_SUM)
+    predivide: float | None = None  # before the reduction
+    postdivide: float | None = None  # after the last all-reduce
+
+
+def gradient_reduction(
+    reduce_dtype: torch.dtype, shard_size: int, replicate_size: int, factor: float | None, force_sum: bool
+) -> GradientReduction:
+    """FSDP2's gradient arithmetic (``_get_gradient_divide_factors`` in torch's
+    ``_fsdp_collectives.py``), so that gradients are FSDP2's bit for bit: over a
+    reduce-scatter group of ``shard_size`` ranks and an all-reduce group of
+    ``replicate_size``, in ``reduce_dtype``, with ``set_gradient_divide_factor(factor)``
+    (``None``: the average) and ``set_force_sum_reduction_for_comms(force_sum)``.
+
+    * float32 / bfloat16: the group's ``avg``; a factor equal to ``shard_size``: ``avg``
+      over the shards and a sum over replicas; another factor: a pre-multiply by
+      ``1 / factor`` and sums.
+    * float16 and other dtypes (overflow risk), or ``force_sum``: sums only, the
+      gradient divided by ``pre`` before them and by ``factor / pre`` after, ``pre``
+      the power of two near ``sqrt(factor)`` (``pre = 1`` for ``force_sum`` in
+      float32 / bfloat16: all the division after).
+    * one rank in all: no reduction; a factor divides the gradient.
+    """
+    if shard_size * replicate_size == 1:
+        return GradientReduction("sum", "sum", postdivide=None if factor is None or factor == 1 else float(factor))
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            return GradientReduction("avg", "avg")
+        if factor == shard_size:
+            return GradientReduction("avg", "sum")
+        return GradientReduction("sum", "sum", premultiply=1.0 / factor)
+    factor = float(shard_size * replicate_size) if factor is None else float(factor)
+    pre = 1
+    if overflow_risk:
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+    post = factor / pre
+    return GradientReduction("sum", "sum", predivide=None if pre == 1 else float(pre), postdivide=None if post == 1 else post)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -284,8 +348,11 @@ class _GatherWithGradSync(torch.autograd.Function):
             grad = grad + ctx.saved_tensors[1]
         if spec.reduce_group_names:
             with fx_annotate(spec.all_reduce_meta) if annotating() else NO_ANNOTATION:
-                for group_name in spec.reduce_group_names:
-                    grad = c10d_functional.wait_tensor(issue_all_reduce(grad.contiguous(), spec.reduce_op, group_name))
+                for group_name, op in zip(spec.reduce_group_names, spec.all_reduce_ops(), strict=True):
+                    grad = c10d_functional.wait_tensor(issue_all_reduce(grad.contiguous(), op, group_name))
+        if spec.grad_postdivide is not None:
+            with fx_annotate(spec.reduce_meta) if annotating() else NO_ANNOTATION:
+                grad = grad / spec.grad_postdivide
         if grad.dtype != ctx.shard_dtype:
             with fx_annotate(spec.reduce_meta) if annotating() else NO_ANNOTATION:
                 grad = grad.to(ctx.shard_dtype)
@@ -302,6 +369,8 @@ def _gradient_to_reduce(ctx, grad: torch.Tensor, spec: CollectiveSpec) -> torch.
         grad = grad.to(spec.reduce_dtype)
     if spec.grad_scale is not None:
         grad = grad * spec.grad_scale
+    if spec.grad_predivide is not None:
+        grad = grad / spec.grad_predivide
     return grad
 
 

@@ -635,7 +635,11 @@ def mp_training(kind: str, param_dtype, reduce_dtype, reshard, use_placement: bo
     fully_shard(model, **kw)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    comm_dtype = reduce_dtype or param_dtype or torch.float32
+    from fsdp_compile.base.compat import fsdp2_reduces_in_original_dtype
+
+    # FSDP2's reduce dtype with none set: param_dtype (torch 2.13), the parameters' own
+    # float32, the gradient upcast (2.15; FSDP2 itself fails the 2.13 expectation there).
+    comm_dtype = reduce_dtype or (torch.float32 if fsdp2_reduces_in_original_dtype() else param_dtype) or torch.float32
     inp = torch.randn(4, 8, generator=torch.Generator().manual_seed(43 + dist.get_rank())).to(param_dtype or torch.float32)
     steps = []
     for step in range(2):

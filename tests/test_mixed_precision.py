@@ -75,9 +75,14 @@ def test_matches_torch_fsdp2_with_the_same_policy(pool2, name, mp):
     [
         ("mlp", "bf16", ["torch.bfloat16"], "torch.float32"),
         ("mlp", "bf16-reduce-bf16", ["torch.bfloat16"], "torch.bfloat16"),
+        ("mlp", "bf16-reduce-unset", ["torch.bfloat16"], "as FSDP2"),
     ],
 )
 def test_collective_dtypes_in_the_graph(pool2, name, mp, gather, reduce):
+    from fsdp_compile.base.compat import fsdp2_reduces_in_original_dtype
+
+    if reduce == "as FSDP2":  # torch 2.15's FSDP2 upcasts the gradient first
+        reduce = "torch.float32" if fsdp2_reduces_in_original_dtype() else "torch.bfloat16"
     d = pool2.run(compiled_collective_dtypes, mp, name)[0]
     assert d["forward_all_gather"] == gather  # bf16 gathers move half the bytes
     assert d["backward_reduce_scatter"] == [reduce]

@@ -35,7 +35,9 @@ COMPILE_BACKENDS = {
 MIXED_PRECISION = {
     None: None,
     "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    "bf16-reduce-bf16": dict(param_dtype=torch.bfloat16),
+    "bf16-reduce-bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+    # No reduce dtype: FSDP2 reduces in bf16 on torch 2.13, in the parameters' fp32 on 2.15.
+    "bf16-reduce-unset": dict(param_dtype=torch.bfloat16),
     # torch >= 2.15: parameters marked keep_fp32 (the routed model's routers) stay fp32.
     "bf16-router-fp32": dict(
         param_dtype=torch.bfloat16,

@@ -208,6 +208,16 @@ def torchs_fully_shard():
     return fully_shard
 
 
+def fsdp2_reduces_in_original_dtype() -> bool:
+    """torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``FSDPParam.unsharded_grad_dtype``
+    (torch 2.15): with ``MixedPrecisionPolicy.reduce_dtype`` unset, FSDP2 upcasts a
+    gradient to its parameter's original dtype (``nn.Parameter.grad_dtype``) and reduces it
+    in that dtype; before, in the gradient's own (``param_dtype``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "unsharded_grad_dtype")
+
+
 def composable_apis_applied(module) -> tuple[str, ...]:
     """torch/distributed/_composable/contract.py ``_get_registry``: the names of the
     ``@contract`` composable APIs applied to ``module`` (e.g. ``"replicate"`` after torch's
