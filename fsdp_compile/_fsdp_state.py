@@ -131,6 +131,10 @@ class FSDPUnit:
     # then still issue the same reduce-scatter); False: such a parameter is left out
     # of the reduction and its ``.grad`` stays ``None``, as in an unsharded model.
     reduce_scatter_unused_params: bool = False
+    # Whether this unit's last forward called from a compiled call's eager code took the
+    # compiled path (``FSDPModule.forward``): activation checkpointing's recompute of that
+    # forward, in backward, takes the same path, so that it records the same saved tensors.
+    compiled_path_between_graphs: bool | None = None
     # Path of each module from the outermost sharded module ("" for the root
     # itself); rewritten when a parent is sharded later.
     module_fqns: list[str] = field(default_factory=list)

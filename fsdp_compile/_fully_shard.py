@@ -101,9 +101,20 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         # The outermost unit called from a compiled call's eager code (the frame
         # torch.compile was given, or Dynamo gave up on the frame above it) runs the
         # compiled path, which Dynamo then compiles as a frame of its own.
+        # Activation checkpointing's recompute (in backward, outside the units around
+        # the forward) takes the path its forward took: it must save the same tensors.
         mode = execution_mode()
-        if mode is ExecutionMode.TRACED or (mode is ExecutionMode.BETWEEN_GRAPHS and forward_context.depth == 0):
+        if mode is ExecutionMode.TRACED:
             return self._forward_compiled(*args, **kwargs)
+        if mode is ExecutionMode.BETWEEN_GRAPHS:
+            unit = self._fsdp_unit
+            if in_backward_recompute() and unit.compiled_path_between_graphs is not None:
+                compiled = unit.compiled_path_between_graphs
+            else:
+                compiled = forward_context.depth == 0
+                unit.compiled_path_between_graphs = compiled
+            if compiled:
+                return self._forward_compiled(*args, **kwargs)
         return self._forward_eager(mode, *args, **kwargs)
 
     def _forward_compiled(self, *args, **kwargs):

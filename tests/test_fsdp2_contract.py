@@ -247,8 +247,13 @@ def _build_training_case(case: str, option, fully_shard):
     return model, ref, (lambda step: xs[step]), opt_cls
 
 
+#: A ``backend`` suffix for :func:`train_case`: each block compiled by itself (``module.compile``).
+PER_BLOCK = "/per-block"
+
+
 def train_case(kind: str, case: str, option, backend: str | None = None) -> dict:
-    """Train ``case`` sharded by ``kind`` (compiled with ``backend`` if given) next to its
+    """Train ``case`` sharded by ``kind`` (compiled with ``backend`` if given, the whole
+    model or, with the :data:`PER_BLOCK` suffix, each block) next to its
     unsharded reference (gradients averaged over the ranks), each with its own optimizer;
     ``zero_grad(set_to_none=...)`` alternates as upstream. Returns both losses and
     parameters, and the dtypes seen (``float64`` case)."""
@@ -257,7 +262,12 @@ def train_case(kind: str, case: str, option, backend: str | None = None) -> dict
 
     reset_dynamo()
     model, ref, inputs, opt_cls = _build_training_case(case, option, fully_shard_of(kind))
-    run = torch.compile(model, backend=backend) if backend else model
+    if backend is not None and backend.endswith(PER_BLOCK):  # each block's module.compile(), the root eager
+        for layer in model.layers:
+            layer.compile(backend=backend.removesuffix(PER_BLOCK))
+        run = model
+    else:
+        run = torch.compile(model, backend=backend) if backend else model
     opt, ref_opt = opt_cls(model.parameters(), lr=1e-2), opt_cls(ref.parameters(), lr=1e-2)
     losses, ref_losses, dtypes = [], [], set()
     for step in range(STEPS):
@@ -1232,6 +1242,34 @@ def test_ours_compiled_matches_eager(pool2, fn, case, option):
     for c, e in zip(pool2.run(globals()[fn], "ours", case, option, "aot_eager"), eager, strict=True):
         torch.testing.assert_close(c["losses"], e["losses"])
         _close(c["params"], e["params"])
+
+
+#: Activation-checkpointing cases (composable ``checkpoint`` on each block, applied before
+#: ``fully_shard``) with each block compiled by itself: the recompute in backward must take
+#: the path the forward took (it raised ``CheckpointError`` before: the forward, inside the
+#: eager root's forward, gathered eagerly; the recompute, outside it, traced its gathers).
+PER_BLOCK_AC = [
+    ("ac", (True, "block"), "test_train_parity_with_activation_checkpointing-reshard"),
+    ("ac", (False, "block"), "test_train_parity_with_activation_checkpointing-block-no-reshard"),
+    ("ac", (True, "mem_eff_weight_tied"), "test_train_parity_with_activation_checkpointing-weight-tied-group"),
+    ("shared_params", (False, "ac"), "test_train_parity_with_shared_params-no-reshard-ac"),
+]
+
+
+@pytest.mark.parametrize(("case", "option"), [pytest.param(c, o, id=i) for c, o, i in PER_BLOCK_AC])
+def test_ours_per_block_compiled_with_checkpointing_matches_eager_and_fsdp2(pool2, case, option):
+    """Upstream's AC training tests (their docstrings above), each block compiled by itself
+    with ``aot_eager``: ours trains as ours eager (and so as the reference) and as FSDP2
+    compiled the same way."""
+    eager = _run_cached(pool2, train_case, "ours", case, option)
+    _check_parity(eager)
+    compiled = pool2.run(train_case, "ours", case, option, "aot_eager" + PER_BLOCK)
+    fsdp2 = pool2.run(train_case, "fsdp2", case, option, "aot_eager" + PER_BLOCK)
+    for c, e, f in zip(compiled, eager, fsdp2, strict=True):
+        torch.testing.assert_close(c["losses"], e["losses"])
+        _close(c["params"], e["params"])
+        torch.testing.assert_close(c["losses"], f["losses"])
+        _close(c["params"], f["params"])
 
 
 # -- test_fully_shard_ignore_params.py

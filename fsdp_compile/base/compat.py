@@ -558,6 +558,7 @@ def outside_dispatch_modes():
     return _disable_current_modes()
 
 
+@never_a_frame_of_its_own  # called from eager code inside a compiled call (fullgraph=True would refuse its frame)
 def in_backward_recompute() -> bool:
     """True while the autograd engine runs a backward on this thread (where eager
     activation checkpointing re-runs forward code); ``_current_graph_task_id`` is private."""
