@@ -161,3 +161,14 @@ def compile_counting_graphs(model: nn.Module, backend, **compile_kwargs):
 
     counter = compile_counter(backend)
     return torch.compile(model, backend=counter, **compile_kwargs), counter
+
+
+def max_gap(a: dict, b: dict) -> float:
+    """The largest difference between two training runs' results: their per-step
+    ``"losses"`` (floats) and ``"params"`` (per step, full parameters by name; the same
+    names in both)."""
+    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)]
+    for pa, pb in zip(a["params"], b["params"], strict=True):
+        assert pa.keys() == pb.keys()
+        gaps += [(pa[k] - pb[k]).abs().max().item() for k in pa]
+    return max(gaps)

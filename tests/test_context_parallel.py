@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.models import max_gap
+
 STEPS = 3
 DIM, HEADS, VOCAB, SEQ, BATCH = 16, 2, 32, 8, 2  # BATCH per dp_shard rank; SEQ is the whole sequence
 DP, CP = 2, 2
@@ -180,14 +182,6 @@ def train(variant: str) -> dict:
     }
 
 
-def _max_gap(a: dict, b: dict) -> float:
-    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)]
-    for pa, pb in zip(a["params"], b["params"], strict=True):
-        assert pa.keys() == pb.keys()
-        gaps += [(pa[k] - pb[k]).abs().max().item() for k in pa]
-    return max(gaps)
-
-
 def _assert_close(got: dict, expected: dict) -> None:
     torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-5, atol=1e-6)
     for g, e in zip(got["params"], expected["params"], strict=True):
@@ -204,7 +198,7 @@ def test_cp_with_fsdp_over_dp_shard_cp_matches_fsdp2_and_reference(pool4):
     fsdp2 = pool4.run(train, "fsdp2")
     ours = pool4.run(train, "ours")
     for rank in range(4):
-        gap = _max_gap(ours[rank], fsdp2[rank])
+        gap = max_gap(ours[rank], fsdp2[rank])
         assert gap == 0.0, (rank, gap)
         _assert_close(ours[rank], reference)
 
@@ -226,5 +220,5 @@ def test_compiled_cp_with_fsdp_is_one_graph_holding_the_cp_all_gathers(pool4):
     assert foreign == [(k, g) for k, g, _ in baseline["collectives"]]
     ours_kinds = {(kind, group) for kind, group, is_ours in compiled["collectives"] if is_ours}
     assert ours_kinds == {("all_gather", fsdp), ("reduce_scatter", fsdp)}, compiled["collectives"]
-    gap = _max_gap(compiled, ours)
+    gap = max_gap(compiled, ours)
     assert gap == 0.0, gap

@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.models import max_gap
+
 STEPS = 3
 DIM = 16
 
@@ -213,14 +215,6 @@ def train(variant: str, layout: str = "dp+tp", steps: int = STEPS, declared_repl
     }
 
 
-def _max_gap(a: dict, b: dict) -> float:
-    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)]
-    for pa, pb in zip(a["params"], b["params"], strict=True):
-        assert pa.keys() == pb.keys()
-        gaps += [(pa[k] - pb[k]).abs().max().item() for k in pa]
-    return max(gaps)
-
-
 # ---------------------------------------------------------------------- tests
 
 
@@ -237,9 +231,9 @@ def test_spmd_mesh_matches_fsdp2_and_reference(pool4, layout):
     ours_aot = pool4.run(train, "ours:aot_eager", layout)[0]
     assert ours["placements"] == fsdp2["placements"]
     assert ours["meshes"] == fsdp2["meshes"]
-    assert _max_gap(fsdp2, reference) < 1e-5
-    assert _max_gap(ours, fsdp2) == 0.0  # the same arithmetic: bitwise
-    assert _max_gap(ours_aot, ours) < 1e-6
+    assert max_gap(fsdp2, reference) < 1e-5
+    assert max_gap(ours, fsdp2) == 0.0  # the same arithmetic: bitwise
+    assert max_gap(ours_aot, ours) < 1e-6
     assert ours_aot["graphs"] == 1
 
 
@@ -256,8 +250,8 @@ def test_spmd_mesh_takes_replicated_gradients_as_fsdp2(pool4):
     fsdp2 = pool4.run(train, "fsdp2", "dp+tp", 2, True)[0]
     ours = pool4.run(train, "ours", "dp+tp", 2, True)[0]
     ours_aot = pool4.run(train, "ours:aot_eager", "dp+tp", 2, True)[0]
-    assert _max_gap(ours, fsdp2) == 0.0
-    assert _max_gap(ours_aot, ours) < 1e-6 and ours_aot["graphs"] == 1
+    assert max_gap(ours, fsdp2) == 0.0
+    assert max_gap(ours_aot, ours) < 1e-6 and ours_aot["graphs"] == 1
 
 
 def _fake_mesh(shape=(2, 4), names=("dp", "tp")):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tests import tp_models
+from tests.models import max_gap
 
 STEPS = 3
 
@@ -157,14 +158,6 @@ def checkpoint_interchange(path: str, writer: str, reader: str) -> float:
     return max((saved[k] - restored[k]).abs().max().item() for k in saved)
 
 
-def _max_gap(a: dict, b: dict) -> float:
-    gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)]
-    for pa, pb in zip(a["params"], b["params"], strict=True):
-        assert pa.keys() == pb.keys()
-        gaps += [(pa[k] - pb[k]).abs().max().item() for k in pa]
-    return max(gaps)
-
-
 # ---------------------------------------------------------------------- tests
 
 
@@ -176,10 +169,10 @@ def test_fsdp_tp_matches_reference_and_fsdp2(pool4, sequence_parallel):
     ours_aot = pool4.run(train, "ours:aot_eager", sequence_parallel)[0]
     # Same names and placements as FSDP2 + TP (so DCP checkpoints interchange).
     assert ours_eager["placements"] == fsdp2["placements"]
-    assert _max_gap(fsdp2, reference) < 1e-5
-    assert _max_gap(ours_eager, reference) < 1e-5
+    assert max_gap(fsdp2, reference) < 1e-5
+    assert max_gap(ours_eager, reference) < 1e-5
     # Eager and aot_eager run the same ops: bitwise equal.
-    assert _max_gap(ours_aot, ours_eager) == 0.0
+    assert max_gap(ours_aot, ours_eager) == 0.0
     assert ours_aot["graphs"] == 1  # fullgraph=True, no recompiles
 
 
@@ -189,7 +182,7 @@ def test_fsdp_tp_gradient_accumulation_matches_fsdp2(pool4):
     piece; eager and compiled code share that leaf): ours matches FSDP2 + TP."""
     fsdp2 = pool4.run(train_accumulating, "fsdp2")[0]
     ours = pool4.run(train_accumulating, "ours")[0]
-    assert _max_gap(ours, fsdp2) < 1e-6
+    assert max_gap(ours, fsdp2) < 1e-6
 
 
 def test_fsdp_tp_sp_through_inductors_passes_matches_reference(pool4):
@@ -200,7 +193,7 @@ def test_fsdp_tp_sp_through_inductors_passes_matches_reference(pool4):
     reference = pool4.run(train, "reference")[0]
     ours_inductor = pool4.run(train, "ours:inductor_passes", True)[0]
     assert ours_inductor["graphs"] == 1
-    assert _max_gap(ours_inductor, reference) < 1e-5
+    assert max_gap(ours_inductor, reference) < 1e-5
 
 
 def test_fsdp_tp_placements_are_fsdp2s(pool4):
@@ -384,7 +377,7 @@ def test_hsdp_tp_on_8_real_ranks_matches_reference_and_fsdp2(rank_pools):
     fsdp2 = pool8.run(train, "fsdp2", True, 2, True)[0]
     ours = pool8.run(train, "ours", True, 2, True)[0]
     assert ours["placements"] == fsdp2["placements"]
-    assert _max_gap(fsdp2, reference) < 1e-5 and _max_gap(ours, reference) < 1e-5
+    assert max_gap(fsdp2, reference) < 1e-5 and max_gap(ours, reference) < 1e-5
 
 
 # ------------------------------------------ a transformers model under a plan of its own
@@ -481,9 +474,9 @@ def test_transformers_llama_with_loss_parallel_matches_reference_and_fsdp2(pool4
     assert ours_eager["placements"] == fsdp2["placements"]
     # Vocabulary-parallel rows, then FSDP's rows within them: FSDP2's strided layout.
     assert ours_eager["placements"]["lm_head.weight"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
-    assert _max_gap(fsdp2, reference) < 1e-5
-    assert _max_gap(ours_eager, reference) < 1e-5
-    assert _max_gap(ours_aot, ours_eager) == 0.0
+    assert max_gap(fsdp2, reference) < 1e-5
+    assert max_gap(ours_eager, reference) < 1e-5
+    assert max_gap(ours_aot, ours_eager) == 0.0
     assert ours_aot["graphs"] == 1
 
 
@@ -566,9 +559,9 @@ def test_transformers_own_tp_plan_matches_reference_and_fsdp2(pool4, arch):
             "Shard(dim=0)",
             "_StridedShard(dim=1, sf=2)",
         )
-    assert _max_gap(fsdp2, reference) < 1e-5
-    assert _max_gap(ours_eager, reference) < 1e-5
-    assert _max_gap(ours_aot, ours_eager) == 0.0
+    assert max_gap(fsdp2, reference) < 1e-5
+    assert max_gap(ours_eager, reference) < 1e-5
+    assert max_gap(ours_aot, ours_eager) == 0.0
     assert ours_aot["graphs"] == tp_only["graphs"]
 
 
@@ -583,7 +576,7 @@ def test_uneven_tensor_parallel_shards_through_our_passes(pool4):
     reference = pool4.run(train_hf_own_plan, "reference", "llama", STEPS, 101)[0]
     ours_compiled = pool4.run(train_hf_own_plan, "ours:aot_eager_passes", "llama", STEPS, 101)[0]
     assert ours_compiled["graphs"] == 1
-    assert _max_gap(ours_compiled, reference) < 1e-5
+    assert max_gap(ours_compiled, reference) < 1e-5
 
 
 # ------------------------------------------- experts with EP + TP on one parameter (3-D)
@@ -662,7 +655,7 @@ def test_experts_with_ep_and_tp_on_one_parameter_match_fsdp2_on_8_ranks(rank_poo
     ours = pool8.run(train_experts_ep_tp, "ours")[0]
     assert ours["placements"] == fsdp2["placements"]
     assert ours["placements"]["w1"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)", "Shard(dim=2)")
-    assert _max_gap(ours, fsdp2) == 0.0  # the same arithmetic: bitwise
+    assert max_gap(ours, fsdp2) == 0.0  # the same arithmetic: bitwise
 
 
 def test_experts_with_ep_and_tp_compile_to_one_graph(fake_pg):
@@ -744,6 +737,6 @@ def test_expert_parallel_dispatch_by_all_to_all_matches_fsdp2(pool2):
     ours = pool2.run(train_expert_parallel, "ours")
     compiled = pool2.run(train_expert_parallel, "ours", "aot_eager_passes")
     for rank in range(2):
-        assert _max_gap(ours[rank], fsdp2[rank]) == 0.0
-        assert _max_gap(compiled[rank], ours[rank]) == 0.0
+        assert max_gap(ours[rank], fsdp2[rank]) == 0.0
+        assert max_gap(compiled[rank], ours[rank]) == 0.0
         assert compiled[rank]["graphs"] == 1
