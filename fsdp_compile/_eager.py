@@ -40,7 +40,7 @@ from fsdp_compile._eager_buckets import (
     regather_key,
     shard_versions,
 )
-from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward
+from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward, forget_end_of_backward_calls
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
@@ -252,6 +252,7 @@ class EagerState:
         drop what it left (its reduce-scatters, its prefetched re-gathers)."""
         self.reductions.drop_unfinished()
         self.drop_regathers_in_flight()
+        forget_end_of_backward_calls(self)
 
     def reset(self) -> None:
         """What an aborted forward or backward of this root left: wait on and drop its

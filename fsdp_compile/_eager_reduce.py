@@ -19,6 +19,7 @@ the next eager forward waits on and drops them (their gradients never reach ``.g
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,7 +41,10 @@ def defers_reduction(shards: list[torch.Tensor]) -> bool:
 #: can run inside another (reentrant activation checkpointing runs one per
 #: checkpointed region): each has its own list. Keyed by autograd's own backward, which
 #: may run through several sharded models: what is queued is each root's own call.
+#: Backwards of other threads (ranks as threads of one process) share the table, so a
+#: root only ever removes its own calls (:func:`forget_end_of_backward_calls`).
 _at_end: dict[int, list[Callable[[], None]]] = {}
+_at_end_lock = threading.Lock()
 
 
 def call_at_end_of_backward(fn: Callable[[], None]) -> bool:
@@ -50,18 +54,33 @@ def call_at_end_of_backward(fn: Callable[[], None]) -> bool:
     backward = running_backward_id()
     if backward is None or in_compiled_autograd():
         return False
-    fns = _at_end.get(backward)
-    if fns is None:
-        fns = _at_end[backward] = []
-        queue_end_of_backward_callback(lambda: _run_at_end(backward))
-    if fn not in fns:
-        fns.append(fn)
+    with _at_end_lock:
+        fns = _at_end.get(backward)
+        if fns is None:
+            fns = _at_end[backward] = []
+            queue_end_of_backward_callback(lambda: _run_at_end(backward))
+        if fn not in fns:
+            fns.append(fn)
     return True
 
 
 def _run_at_end(backward: int) -> None:
-    for fn in _at_end.pop(backward, []):
+    with _at_end_lock:
+        fns = _at_end.pop(backward, [])
+    for fn in fns:
         fn()
+
+
+def forget_end_of_backward_calls(owner: object) -> None:
+    """Forget the calls bound to ``owner`` (its methods) that backwards which raised left
+    queued; every other call stays, whichever thread's backward queued it (a forward on
+    one thread-rank used to clear another's running backward's calls, so its last
+    reduce-scatters never reached ``.grad``: a silent wrong step)."""
+    with _at_end_lock:
+        for backward, fns in list(_at_end.items()):
+            fns[:] = [fn for fn in fns if getattr(fn, "__self__", None) is not owner]
+            if not fns:
+                del _at_end[backward]
 
 
 # ------------------------------------------------------------ the reductions
@@ -110,12 +129,12 @@ class PendingReductions:
 
     def drop_unfinished(self) -> None:
         """Wait on and drop what a backward that raised left unfinished (its gradients never
-        reach ``.grad``), and forget its end-of-backward calls: at an eager forward outside
-        any backward, every reduction still pending is such a one."""
+        reach ``.grad``), and forget its end-of-backward calls (this root's only): at an eager
+        forward outside any backward, every reduction still pending is such a one."""
         pending, self.pending = self.pending, []
         for p in pending:
             p.reduction.wait()
-        _at_end.clear()
+        forget_end_of_backward_calls(self)
 
     @staticmethod
     def _finish(pending: _PendingReduction) -> None:

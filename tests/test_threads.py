@@ -94,3 +94,30 @@ def test_ranks_as_threads_train_like_the_unsharded_model(backend):
     # Nothing the threads traced or ran leaves an annotation behind for later traces
     # (torch's ``fx.traceback.annotate`` keeps it in one process-wide dict).
     assert "custom" not in torch.fx.traceback.current_meta, torch.fx.traceback.current_meta
+
+
+def test_a_forward_on_one_thread_keeps_the_end_of_backward_calls_of_another():
+    """A thread-rank's eager forward forgets what a backward of *its own* root that raised
+    left queued, and nothing else: another thread-rank's backward still running keeps its
+    end-of-backward calls (they finish its last reduce-scatters; a forward on one thread
+    used to clear every thread's, and the other rank's step then silently lacked those
+    gradients). Deterministic: the other root's forward runs inside this backward."""
+    from fsdp_compile._eager import EagerState
+    from fsdp_compile._eager_reduce import call_at_end_of_backward
+
+    other_root = EagerState()
+    called = []
+
+    def in_backward(grad):
+        this_root_end = lambda: called.append("this root")  # noqa: E731
+        assert call_at_end_of_backward(this_root_end)
+        other = threading.Thread(target=other_root.drop_left_by_a_backward_that_raised)  # its forward's first step
+        other.start()
+        other.join()
+        return grad
+
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(in_backward)
+    y.sum().backward()
+    assert called == ["this root"]
