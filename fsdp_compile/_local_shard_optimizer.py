@@ -120,11 +120,18 @@ class _StepOnLocalShards:
     """``optimizer.step`` around the step it replaced: the swap to local tensors before,
     the swap back after (also when it raises). An object, not a closure, so that
     ``copy.deepcopy(optimizer)`` steps the copy (the bound method is rebound) and
-    ``pickle`` works."""
+    ``pickle`` works.
+
+    It keeps the contract torch's LR schedulers hold ``optimizer.step`` to: it carries the
+    mark of a scheduler's wrapper it replaced (``_wrapped_by_lr_sched``: else every
+    ``scheduler.step()`` warns that the step was overridden), and a scheduler made after it
+    wraps it as it wraps a bound method (through ``__func__``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, step_on_dtensors) -> None:
         self.optimizer = optimizer
         self.step_on_dtensors = step_on_dtensors
+        if getattr(step_on_dtensors, "_wrapped_by_lr_sched", False):
+            self._wrapped_by_lr_sched = True
 
     def __call__(self, *args, **kwargs):
         swapped = _swap_to_local(self.optimizer)
@@ -132,6 +139,17 @@ class _StepOnLocalShards:
             return self.step_on_dtensors(*args, **kwargs)
         finally:
             _swap_back(self.optimizer, swapped)
+
+    @property
+    def __func__(self):
+        """What a scheduler binds to the optimizer and calls: this step (the optimizer it
+        binds is this object's own)."""
+        step = self
+
+        def bound_step(optimizer: torch.optim.Optimizer, *args, **kwargs):
+            return step(*args, **kwargs)
+
+        return bound_step
 
 
 def _local_placements(placements) -> bool:

@@ -171,6 +171,34 @@ def test_a_step_that_raises_leaves_the_dtensors_in_place(fake_pg):
         assert isinstance(copied.state[q]["momentum_buffer"], DTensor)
 
 
+@pytest.mark.parametrize("scheduler_first", [True, False], ids=["scheduler-first", "local-step-first"])
+def test_lr_schedulers_wrap_the_local_step_without_warnings(fake_pg, scheduler_first):
+    """torch's LR schedulers check that ``optimizer.step`` is still their wrapper: the local
+    step made every ``scheduler.step()`` warn that the step was overridden (the default
+    path installs it at the first step, after the scheduler), and a scheduler made after it
+    raised ``AttributeError`` (no ``__func__``). The schedule runs, the step stays local."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (8,))
+    params = _dtensor_params(mesh)
+    opt = torch.optim.AdamW(params, lr=1.0)
+    if not scheduler_first:
+        step_on_local_shards(opt)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step_on_local_shards(opt)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        for _ in range(3):
+            before = [p._local_tensor.clone() for p in params]
+            opt.step()
+            scheduler.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            assert all(not torch.equal(p._local_tensor, b) for p, b in zip(params, before, strict=True))
+    assert lrs == [0.5, 0.25, 0.125]
+    assert all(isinstance(opt.state[p]["exp_avg"], DTensor) for p in params)
+
+
 def test_groups_that_cannot_step_locally_step_on_the_dtensors(fake_pg):
     """A group holding a plain tensor besides ``DTensor``s steps as before, and a group of
     ``DTensor``s beside it steps locally; both give the ``DTensor`` step's numbers."""
