@@ -1214,13 +1214,20 @@ def test_multi_forward_mixed_requires_grad(pool2, kind, reshard):
 # -- ours compiled, for the training tests above
 
 
+#: (rank function, case, option, upstream test, backend): each training test's first subtest
+#: compiled; the whole model with ``aot_eager`` (bitwise eager's arithmetic), with
+#: ``"inductor_passes"`` (Inductor's decomposed graphs and our passes, run op by op) and each
+#: block by itself (:data:`PER_BLOCK`).
 COMPILED = [
-    ("train_case", "single_group", ((16, 15), (15, 8)), "test_train_parity_single_group"),
-    ("train_case", "multi_group", True, "test_train_parity_multi_group"),
-    ("train_case", "bitfit", BITFIT[0], "test_train_mixed_requires_grad_per_group"),
-    ("autograd_case", "unused_output", True, "test_unused_forward_output"),
-    ("autograd_case", "unused_module", True, "test_unused_forward_module"),
-    ("autograd_case", "containers", "dict", "test_nontensor_activations"),
+    ("train_case", "single_group", ((16, 15), (15, 8)), "test_train_parity_single_group", "aot_eager"),
+    ("train_case", "multi_group", True, "test_train_parity_multi_group", "aot_eager"),
+    ("train_case", "multi_group", True, "test_train_parity_multi_group", "inductor_passes"),
+    ("train_case", "multi_group", True, "test_train_parity_multi_group", "aot_eager" + PER_BLOCK),
+    ("train_case", "bitfit", BITFIT[0], "test_train_mixed_requires_grad_per_group", "aot_eager"),
+    ("train_case", "bitfit", BITFIT[0], "test_train_mixed_requires_grad_per_group", "inductor_passes"),
+    ("autograd_case", "unused_output", True, "test_unused_forward_output", "aot_eager"),
+    ("autograd_case", "unused_module", True, "test_unused_forward_module", "aot_eager"),
+    ("autograd_case", "containers", "dict", "test_nontensor_activations", "aot_eager"),
 ]
 _COMPILED_XFAIL = {
     "unused_output": "torch.compile's semantics, not sharding's: compiled, a parameter whose output the loss leaves "
@@ -1229,25 +1236,28 @@ _COMPILED_XFAIL = {
 
 
 @pytest.mark.parametrize(
-    ("fn", "case", "option"),
+    ("fn", "case", "option", "backend"),
     [
         pytest.param(
             fn,
             case,
             option,
-            id=test,
+            backend,
+            id=f"{test}-{backend}",
             marks=[pytest.mark.xfail(strict=True, reason=_COMPILED_XFAIL[case])] if case in _COMPILED_XFAIL else [],
         )
-        for fn, case, option, test in COMPILED
+        for fn, case, option, test, backend in COMPILED
     ],
 )
-def test_ours_compiled_matches_eager(pool2, fn, case, option):
+def test_ours_compiled_matches_eager(pool2, fn, case, option, backend):
     """The first subtest of each training test above (its id names it; its upstream test
-    is in that test's docstring), ours compiled with ``aot_eager``: the same losses and
-    parameters as ours eager (which match the unsharded reference)."""
+    is in that test's docstring), ours compiled with ``backend``: the same losses and
+    parameters as ours eager (which match the unsharded reference); bitwise-equal
+    arithmetic (``aot_eager``) within ``assert_close``'s defaults, Inductor's
+    decompositions to fp32 rounding."""
     eager = _run_cached(pool2, globals()[fn], "ours", case, option)
     _check_parity(eager)
-    for c, e in zip(pool2.run(globals()[fn], "ours", case, option, "aot_eager"), eager, strict=True):
+    for c, e in zip(pool2.run(globals()[fn], "ours", case, option, backend), eager, strict=True):
         torch.testing.assert_close(c["losses"], e["losses"])
         _close(c["params"], e["params"])
 
