@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile._fsdp_state import FRAME_NAMING, NESTED_NAMING, forward_context, warn_gathered_in_broken_graph
-from fsdp_compile._local_shard_optimizer import SHARDED_PARAM_ATTRIBUTE
+from fsdp_compile._local_shard_optimizer import SHARDED_PARAM_ATTRIBUTE, FSDPParamRef
 from fsdp_compile._low_precision import (
     gather_extension_with_grad,
     has_all_gather_extension,
@@ -152,6 +152,7 @@ class FSDPParam:
         self.gathered: torch.Tensor | None = None
         self.held: torch.Tensor | None = None
         self.held_raw: torch.Tensor | None = None
+        self._held_version: tuple[int, int, int] | None = None  # :meth:`_shard_version` when ``held`` was gathered
         # With set_reshard_after_backward(False): the full tensor (dim 0 first, no autograd)
         # the next forward reads instead of gathering.
         self.kept: torch.Tensor | None = None
@@ -202,7 +203,7 @@ class FSDPParam:
         for key, value in vars(param).items():
             if not key.startswith("_fsdp"):
                 setattr(sharded, key, value)
-        setattr(sharded, SHARDED_PARAM_ATTRIBUTE, True)  # (the default optimizer step's)
+        setattr(sharded, SHARDED_PARAM_ATTRIBUTE, FSDPParamRef(self))  # (the optimizer step pre-hook's)
         route_forward_hooks_to_local_shard(sharded, self.local_fqn)
         return sharded
 
@@ -350,6 +351,8 @@ class FSDPParam:
         Dynamo sees it come from the module's ``_parameters`` and lifts it as a
         graph input with a stable source.
         """
+        if self.state is ParamState.HELD:
+            self.drop_held_if_stale()
         if self.state is ParamState.GATHERED or (self.state is ParamState.HELD and not self.held_read_needs_grad()):
             return self.gathered
         # (Traced at every parameter read: each call below is one more function Dynamo
@@ -558,8 +561,11 @@ class FSDPParam:
             self.state, self.gathered = (ParamState.HELD, self.held) if held else (ParamState.SHARDED, None)
 
     def hold(self) -> None:
-        """Keep the full tensor until :meth:`release` (``FSDPModule.unshard()``)."""
+        """Keep the full tensor until :meth:`release` (``FSDPModule.unshard()``); gather it
+        again if the shard changed since it was gathered (:meth:`drop_held_if_stale`)."""
+        self.drop_held_if_stale()
         if self.held is None:
+            self._held_version = self._shard_version()
             if self.extension:
                 self.held = self.gather_without_autograd()
             else:
@@ -567,6 +573,24 @@ class FSDPParam:
                 self.held = self._for_compute(self.held_raw)
             if self.state is ParamState.SHARDED:
                 self.state, self.gathered = ParamState.HELD, self.held
+
+    def drop_held_if_stale(self) -> None:
+        """Release the tensor :meth:`hold` gathered if the shard changed since (an optimizer
+        step, a state-dict load, an in-place edit), so that the next read gathers the new
+        values. FSDP2 reshards after every backward, so its next ``unshard()`` or forward
+        gathers them; ours holds across a backward, and a held tensor read after the
+        optimizer step computed silently with the old parameters. (Eager code only: a
+        traced read takes the held tensor as a graph input.)"""
+        if self.held is not None and not torch.compiler.is_compiling() and self._shard_version() != self._held_version:
+            self.release()
+
+    def _shard_version(self) -> tuple[int, int, int]:
+        """Changes whenever the shard's values may have: an in-place op on the ``DTensor``
+        (bumps its own version counter, not its local tensor's: ``DTensor`` dispatch runs
+        below autograd), one on the local tensor (the local-shard optimizer step), or a new
+        local tensor (``to_empty``, ``load_state_dict(assign=True)``)."""
+        local = local_tensor_of(self.sharded_param)
+        return id(local), self.sharded_param._version, local._version
 
     def release(self) -> None:
         """Free what :meth:`hold` and ``set_reshard_after_backward(False)`` kept (FSDP2's

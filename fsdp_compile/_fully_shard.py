@@ -675,6 +675,9 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     DTensor])."""
     fsdp_param = module._fsdp_params[name]
     state = fsdp_param.state
+    if state is ParamState.HELD and mode is not ExecutionMode.TRACED:
+        fsdp_param.drop_held_if_stale()
+        state = fsdp_param.state
     if state is ParamState.GATHERED or (state is ParamState.HELD and not forward_context.frames):
         # Gathered already. Checked before computing with the sharded DTensor, so a
         # checkpointed region (a subgraph under compile) takes only this plain tensor.

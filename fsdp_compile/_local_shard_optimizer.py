@@ -35,6 +35,7 @@ parameters' among them, are left alone.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 import torch
@@ -55,34 +56,70 @@ new value depends only on the same element of the parameter, its gradient and it
 plus scalars), so that it gives the same result on each shard as on the whole tensor."""
 
 _LOCAL_STEP_ATTRIBUTE = "_fsdp_compile_steps_on_local_shards"
-#: Set on the optimizer by the default hook once it has decided for it.
+#: Set on the optimizer by the default hook once it has decided for it: its parameters that are ours.
 _DECIDED_ATTRIBUTE = "_fsdp_compile_local_step_decided"
-#: Set on every sharded parameter ``fully_shard`` registers.
+#: Set on every sharded parameter ``fully_shard`` registers: its :class:`FSDPParamRef`.
 SHARDED_PARAM_ATTRIBUTE = "_fsdp_compile_sharded_param"
+
+
+class FSDPParamRef:
+    """A weak reference to a sharded parameter's ``FSDPParam``, kept on the parameter.
+    ``copy.deepcopy`` keeps it as it is and ``pickle`` makes it a dead one, so a parameter
+    (a whole model) still copies and saves as before."""
+
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, fsdp_param=None) -> None:
+        self._ref = None if fsdp_param is None else weakref.ref(fsdp_param)
+
+    def __call__(self):
+        return None if self._ref is None else self._ref()
+
+    def __deepcopy__(self, memo) -> FSDPParamRef:
+        return self
+
+    def __reduce__(self):
+        return (FSDPParamRef, ())
+
+
 _default_hook = None
 
 
 def install_default_local_step() -> None:
     """Register (once, at the first ``fully_shard``, never at import) the global optimizer
-    step pre-hook that makes elementwise optimizers of our parameters step on local shards
-    from their second step on (see the module docstring)."""
+    step pre-hook (:func:`_before_optimizer_step`)."""
     global _default_hook
     if _default_hook is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _default_hook = register_optimizer_step_pre_hook(_decide_local_step)
+        _default_hook = register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
-def _decide_local_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if optimizer.__dict__.get(_DECIDED_ATTRIBUTE):
-        return None
-    optimizer.__dict__[_DECIDED_ATTRIBUTE] = True
-    from fsdp_compile.base import config
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before every step of every optimizer: at its first, decide whether it steps on
+    local shards from its second on (see the module docstring), and note which of its
+    parameters are ours; at each, drop the full tensors of ours that ``unshard()`` or
+    ``set_reshard_after_backward(False)`` keep, which the step is about to make stale (the
+    next read gathers the new values; FSDP2 reshards in backward, and a full tensor kept
+    across the step computed silently with the old parameters)."""
+    ours = optimizer.__dict__.get(_DECIDED_ATTRIBUTE)
+    if ours is None:
+        ours = optimizer.__dict__[_DECIDED_ATTRIBUTE] = _fsdp_params_of(optimizer)
+        from fsdp_compile.base import config
 
-    ours = any(getattr(p, SHARDED_PARAM_ATTRIBUTE, False) for g in optimizer.param_groups for p in g["params"])
-    if config.local_shard_optimizer_step and ours and type(optimizer) in ELEMENTWISE_OPTIMIZERS:
-        step_on_local_shards(optimizer)
+        if config.local_shard_optimizer_step and ours and type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+            step_on_local_shards(optimizer)
+    for ref in ours:
+        fsdp_param = ref()
+        if fsdp_param is not None and (fsdp_param.held is not None or fsdp_param.kept is not None):
+            fsdp_param.release()
     return None
+
+
+def _fsdp_params_of(optimizer: torch.optim.Optimizer) -> tuple:
+    """Weak references to the ``FSDPParam`` of each of ``optimizer``'s parameters that is ours."""
+    refs = (getattr(p, SHARDED_PARAM_ATTRIBUTE, None) for g in optimizer.param_groups for p in g["params"])
+    return tuple(ref for ref in refs if ref is not None)
 
 
 def step_on_local_shards(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -107,10 +107,11 @@ def train_chunked_loss(kind: str, backend: str | None) -> dict:
     return {"seen": seen, "losses": losses, "head_grads": head_grads, "params": full_parameters(model)}
 
 
-def train_unshard_before_forward(kind: str, backend: str | None, async_op: bool) -> dict:
+def train_unshard_before_forward(kind: str, backend: str | None, async_op: bool, reshard: bool = True) -> dict:
     """1F1B's order (``torch.distributed.pipelining``): ``unshard(async_op=...)`` on every
     unit, wait, then two micro-batches' forward and backward on the held parameters, then
-    ``reshard()``; AdamW steps after each."""
+    ``reshard()`` (unless ``reshard=False``: held across the optimizer step); AdamW steps
+    after each."""
     import torch.distributed as dist
 
     from fsdp_compile.testing import full_parameters
@@ -129,8 +130,28 @@ def train_unshard_before_forward(kind: str, backend: str | None, async_op: bool)
                 handle.wait()
         for _ in range(2):
             run(torch.randint(0, 16, (2, 6), generator=gen)).square().mean().backward()
-        for u in units:
-            u.reshard()
+        if reshard:
+            for u in units:
+                u.reshard()
+        opt.step()
+        opt.zero_grad()
+    return full_parameters(model)
+
+
+def train_kept_across_steps(kind: str, reshard_after_backward: bool) -> dict:
+    """AdamW steps of :class:`TinyLM` with ``set_reshard_after_backward`` as given for
+    every micro-batch, the last one before each step included."""
+    import torch.distributed as dist
+
+    from fsdp_compile.testing import full_parameters
+
+    model = _sharded_tiny_lm(kind)
+    model.set_reshard_after_backward(reshard_after_backward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        for _ in range(2):
+            model.lm_head(model(torch.randint(0, 16, (2, 6), generator=gen))).square().mean().backward()
         opt.step()
         opt.zero_grad()
     return full_parameters(model)
@@ -170,6 +191,44 @@ def test_forward_on_unsharded_parameters_reduces_their_gradients_as_fsdp2(pool2,
         compiled = pool2.run(train_unshard_before_forward, "ours", "aot_eager", async_op)
         for rank in range(2):
             _assert_params_close(compiled[rank], eager[rank], rtol=0, atol=0)
+
+
+def test_full_tensors_kept_across_an_optimizer_step_are_gathered_again(pool2):
+    """Parameters ``unshard()`` holds (or ``set_reshard_after_backward(False)`` keeps) across
+    an optimizer step: the next read gathers the stepped values. Ours computed silently
+    with the old ones (torch's ``test_unshard_async``, ported, trained wrong from step 2):
+    FSDP2 reshards held parameters in backward; where it keeps them
+    (``set_reshard_after_backward(False)`` left on for the last micro-batch) it computes
+    with the old values, ours with the new (an intended difference)."""
+    fsdp2 = pool2.run(train_unshard_before_forward, "fsdp2", None, True, False)
+    eager = pool2.run(train_unshard_before_forward, "ours", None, True, False)
+    compiled = pool2.run(train_unshard_before_forward, "ours", "aot_eager", True, False)
+    resharded = pool2.run(train_unshard_before_forward, "ours", None, True, True)
+    kept = pool2.run(train_kept_across_steps, "ours", False)
+    regathered = pool2.run(train_kept_across_steps, "ours", True)
+    for rank in range(2):
+        _assert_params_close(eager[rank], fsdp2[rank], rtol=1e-6, atol=1e-7)
+        _assert_params_close(eager[rank], resharded[rank], rtol=0, atol=0)
+        _assert_params_close(compiled[rank], eager[rank], rtol=0, atol=0)
+        _assert_params_close(kept[rank], regathered[rank], rtol=0, atol=0)
+
+
+def test_a_sharded_parameter_still_pickles_and_deep_copies(pool2):
+    """The optimizer hook's reference from each sharded parameter to its ``FSDPParam`` is
+    weak, copied as it is and pickled as a dead one."""
+    for r in pool2.run(_pickle_and_copy_a_sharded_parameter):
+        assert r == (True, True, True), r
+
+
+def _pickle_and_copy_a_sharded_parameter() -> tuple:
+    import copy
+    import pickle
+
+    model = _sharded_tiny_lm("ours")
+    p = model.lm_head.weight
+    copied = copy.deepcopy(p)
+    loaded = pickle.loads(pickle.dumps(p))
+    return torch.equal(copied.to_local(), p.to_local()), torch.equal(loaded.to_local(), p.to_local()), copied is not p
 
 
 def test_our_units_are_torchs_fsdp_modules_and_refuse_its_internals():
