@@ -64,7 +64,6 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
         warn_gathered_in_broken_graph(first)
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
     specs = [p.spec for p in fsdp_params]
-    pendings = [None if p._grad_accumulator is None else p._grad_accumulator.grad for p in fsdp_params]
     kept = [p.still_gathered() for p in fsdp_params]
     kept = None if kept[0] is None else kept
     with fx_annotate(first.spec.tag.as_meta()) if annotating() else NO_ANNOTATION:
@@ -73,20 +72,17 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
             fulls = gather_bucket_with_grad_sync(
                 [s.detach() for s in shards], specs, in_flight, accumulators=accumulators, kept=kept
             )
-        elif defers_reduction(shards):
-            deliver = first.unit.eager.reductions.deliverer(shards)
+        else:
+            pendings = [None if p._grad_accumulator is None else p.claim_accumulated(p._grad_accumulator) for p in fsdp_params]
+            deliver = first.unit.eager.reductions.deliverer(shards) if defers_reduction(shards) else None
             fulls = gather_bucket_with_grad_sync(
-                [s.detach() for s in shards],
+                [s.detach() for s in shards] if deliver is not None else shards,
                 specs,
                 in_flight,
                 deliver,
                 first.unit.reduce_scatter_unused_params,
                 pendings,
                 kept=kept,
-            )
-        else:
-            fulls = gather_bucket_with_grad_sync(
-                shards, specs, in_flight, reduce_unused=first.unit.reduce_scatter_unused_params, pendings=pendings, kept=kept
             )
     for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
         fsdp_param._note_gathered(full)

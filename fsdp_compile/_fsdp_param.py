@@ -440,15 +440,33 @@ class FSDPParam:
         pending = accumulator = partial_pending = partial_accumulator = None
         if self._grad_accumulator is not None:
             if self.unit.requires_gradient_sync:
-                pending = self._grad_accumulator.grad
+                pending = self.claim_accumulated(self._grad_accumulator)
             else:
                 accumulator = self._grad_accumulator
         if self._partial_accumulator is not None:
             if self.unit.requires_all_reduce:
-                partial_pending = self._partial_accumulator.grad
+                partial_pending = self.claim_accumulated(self._partial_accumulator)
             else:
                 partial_accumulator = self._partial_accumulator
         return GradAccumulation(pending, accumulator, partial_pending, partial_accumulator)
+
+    def claim_accumulated(self, leaf: torch.Tensor) -> torch.Tensor | None:
+        """What ``leaf`` (an accumulator) collected while sync was off, for the gather that
+        adds it to its reduction. Eager code takes it off the leaf when that gather's
+        backward will run (grad mode, a trainable parameter), so that it is added once
+        however often the parameter is gathered before that backward: two forwards, or a
+        forward that leaves a unit's module out and a call of that module by itself
+        (upstream's chunked-head accumulation), each added it, a silent double count.
+        (Traced code reads it: a graph cannot take it off the leaf.)"""
+        pending = leaf.grad
+        if (
+            pending is not None
+            and torch.is_grad_enabled()
+            and self.sharded_param.requires_grad
+            and not torch.compiler.is_compiling()
+        ):
+            leaf.grad = None
+        return pending
 
     def _note_gathered(self, full: torch.Tensor) -> torch.Tensor:
         """Record ``full`` (dim 0 first, with autograd) as this forward's gathered tensor."""
