@@ -452,19 +452,15 @@ class FSDPParam:
 
     def claim_accumulated(self, leaf: torch.Tensor) -> torch.Tensor | None:
         """What ``leaf`` (an accumulator) collected while sync was off, for the gather that
-        adds it to its reduction. Eager code takes it off the leaf when that gather's
-        backward will run (grad mode, a trainable parameter), so that it is added once
-        however often the parameter is gathered before that backward: two forwards, or a
-        forward that leaves a unit's module out and a call of that module by itself
-        (upstream's chunked-head accumulation), each added it, a silent double count.
-        (Traced code reads it: a graph cannot take it off the leaf.)"""
+        adds it to its reduction, taken off the leaf when that gather's backward will run
+        (grad mode, a trainable parameter), so that it is added once however often the
+        parameter is gathered before that backward: two forwards, or a forward that leaves
+        a unit's module out and a call of that module by itself (upstream's chunked-head
+        accumulation), each added it, a silent double count. Traced, the take is a side
+        effect Dynamo replays after the graph (a later gather in the same step reads
+        ``None``: a graph without the sum, compiled once)."""
         pending = leaf.grad
-        if (
-            pending is not None
-            and torch.is_grad_enabled()
-            and self.sharded_param.requires_grad
-            and not torch.compiler.is_compiling()
-        ):
+        if pending is not None and torch.is_grad_enabled() and self.sharded_param.requires_grad:
             leaf.grad = None
         return pending
 

@@ -175,8 +175,10 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         return result
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
-        """Gather this unit's parameters and keep them gathered until :meth:`reshard`
-        (e.g. for generation outside the compiled training step). While held,
+        """Gather this unit's parameters and keep them gathered until :meth:`reshard` or an
+        optimizer step over them (e.g. for generation outside the compiled training step;
+        FSDP2 reshards them in backward: either way the next read after the step gathers the
+        stepped values). While held,
         reading a parameter anywhere returns the full tensor and forwards gather
         nothing; a grad-enabled forward reads them with autograd, so backward reduces
         their gradients as FSDP2's (one forward/backward per chunk of a loss, 1F1B
@@ -219,8 +221,9 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         """``False``: parameters stay gathered after backward, and the next forward reads
         them without an all-gather (FSDP2's; between gradient-accumulation micro-batches,
         trading memory for communication). The next forward after ``True`` is set again
-        still reads them, then frees them. As with FSDP2, they are not re-gathered after
-        an optimizer step: set ``True`` for the last micro-batch before stepping.
+        still reads them, then frees them. An optimizer step over them drops them (the
+        next forward gathers the stepped values; FSDP2 would compute with the old ones):
+        set ``True`` for the last micro-batch before stepping, as with FSDP2.
 
         Kept parameters live from the forward that gathered them (so units that reshard
         after forward do not re-gather in backward). Under ``torch.compile`` each mode

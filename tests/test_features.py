@@ -15,6 +15,7 @@ from tests.test_parity import train
 
 # ---------------------------------------------------------------- on every rank
 
+
 def _shard(units, kind: str = "ours") -> None:
     fully_shard = fully_shard_of(kind)
     for unit in units:
@@ -80,7 +81,12 @@ def clip_grad_norm_matches_reference(name: str = "mlp", max_norm: float = 0.01) 
     ref_opt.step()
     _, norm = _step(model, torch.compile(model, backend="inductor_passes"), opt, name, 0, clip=max_norm)
     norm = full_tensor(norm)
-    return {"ref_norm": ref_norm, "norm": norm, "ref": {n: p.detach().clone() for n, p in ref.named_parameters()}, "ours": _full_params(model)}
+    return {
+        "ref_norm": ref_norm,
+        "norm": norm,
+        "ref": {n: p.detach().clone() for n, p in ref.named_parameters()},
+        "ours": _full_params(model),
+    }
 
 
 def dcp_round_trip(path: str, name: str = "llama", kind: str = "ours") -> dict:
@@ -156,7 +162,9 @@ def gradient_accumulation(
         return _gradient_accumulation(kind, backend, name, micro_batches, steps, keep_gathered)
 
 
-def _gradient_accumulation(kind: str, backend: str | None, name: str, micro_batches: int, steps: int, keep_gathered: bool) -> dict:
+def _gradient_accumulation(
+    kind: str, backend: str | None, name: str, micro_batches: int, steps: int, keep_gathered: bool
+) -> dict:
     model, units = build(name)
     _shard(units, kind)
     run, counter = compile_counting_graphs(model, backend)
@@ -185,6 +193,39 @@ def _gradient_accumulation(kind: str, backend: str | None, name: str, micro_batc
         "frames": (frames_after_first_step, counter.frame_count) if counter else None,
         "gathers": gathers,
     }
+
+
+def accumulation_with_two_forwards(kind: str, backend: str | None, steps: int = 2, micro_batches: int = 3) -> dict:
+    """Gradient accumulation whose every micro-batch runs the model twice before one
+    backward (the sync one too); the unsharded reference does the same."""
+    import copy
+
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+
+    reset_dynamo()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    fully_shard = fully_shard_of(kind)
+    for m in (model[0], model[2], model):
+        fully_shard(m)
+    run, counter = compile_counting_graphs(model, backend, fullgraph=True)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    frames = []
+    for _ in range(steps):
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            x1, x2 = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+            (run(x1).sum() + run(x2).sum()).backward()
+            (ref(x1).sum() + ref(x2).sum()).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        frames.append(counter.frame_count if counter else None)
+    return {"params": _full_params(model), "ref_params": {n: p.detach() for n, p in ref.named_parameters()}, "frames": frames}
 
 
 @contextlib.contextmanager
@@ -316,6 +357,7 @@ def compiled_saved_bytes(name: str) -> int:
 
 # ---------------------------------------------------------------- tests
 
+
 def forward_without_backward_then_train(backend: str | None, name: str = "mlp", steps: int = 3) -> dict:
     """Two identical sharded models trained alike, one of them after a forward that no
     backward follows (an evaluation loss with gradients on, an abandoned step): their
@@ -425,6 +467,23 @@ def test_gradient_accumulation_matches_torch_fsdp2(pool2):
     # first step only: no recompile in the second.
     first, total = compiled["frames"]
     assert first == total == 2
+
+
+def test_accumulated_gradients_count_once_with_two_forwards_per_backward(pool2):
+    """A parameter gathered twice before the synced backward (two forwards, one backward)
+    adds what earlier micro-batches accumulated once: each forward's gather added it to
+    its own reduction, a silent double count (eager and compiled; the parameters 16 off
+    here). FSDP2 and the unsharded reference agree; compiled in one graph per mode, none
+    recompiled in the second step."""
+    fsdp2 = pool2.run(accumulation_with_two_forwards, "fsdp2", None)
+    for backend in (None, "aot_eager"):
+        for rank, (ours, theirs) in enumerate(
+            zip(pool2.run(accumulation_with_two_forwards, "ours", backend), fsdp2, strict=True)
+        ):
+            _equal(ours["params"], ours["ref_params"], rtol=1e-5, atol=1e-6)
+            _equal(ours["params"], theirs["params"], rtol=1e-5, atol=1e-6)
+            if backend:  # no sync; sync with the accumulated sum; sync without it (the second forward)
+                assert ours["frames"][0] == ours["frames"][1] <= 3, (rank, ours["frames"])
 
 
 def test_keeping_parameters_gathered_between_micro_batches_matches_torch_fsdp2(pool2):

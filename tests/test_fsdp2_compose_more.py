@@ -202,9 +202,13 @@ def partial_group_reshard_toggle(kind: str, tie: bool, initial_reshard: bool) ->
     return {"chunk_ags": chunk_ags, "no_grad": no_grad, "losses": torch.stack(losses), "ref_losses": torch.stack(ref_losses)}
 
 
-def partial_group_grad_accum_chunked(kind: str, reshard: bool) -> dict:
+def partial_group_grad_accum_chunked(kind: str, reshard: bool, backend: str | None = None) -> dict:
     """Grouped and ungrouped ``[norm, head]``, 3 microbatches of the chunked loss with
-    gradient sync only on the last; the unsharded reference accumulates the same."""
+    gradient sync only on the last; the unsharded reference accumulates the same.
+    ``backend``: the sharded models and their heads each compiled."""
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+
+    reset_dynamo()
     fully_shard = fully_shard_of(kind)
     kw = {"reshard_after_forward": reshard}
 
@@ -228,11 +232,12 @@ def partial_group_grad_accum_chunked(kind: str, reshard: bool) -> dict:
             if m is not ref:
                 m.set_requires_gradient_sync(is_last)
                 m.set_is_last_backward(is_last)
-            h = m(tokens, skip_head=True)
+            compiled = backend is not None and m is not ref
+            h = (torch.compile(m, backend=backend) if compiled else m)(tokens, skip_head=True)
             h_grads = []
             for chunk in torch.chunk(h.detach(), 2, dim=1):
                 chunk = chunk.contiguous().detach().requires_grad_(True)
-                m.head(chunk).sum().backward()
+                (torch.compile(m.head, backend=backend) if compiled else m.head)(chunk).sum().backward()
                 h_grads.append(chunk.grad.detach())
             h.backward(torch.cat(h_grads, dim=1))
     _avg_grads(ref)
@@ -619,6 +624,14 @@ def test_partial_group_forward_grad_accum_chunked(pool2, kind, reshard):
     silently: the group was gathered by the forward and again by each head chunk, and each
     gather added it to its reduction.)"""
     for r in pool2.run(partial_group_grad_accum_chunked, kind, reshard):
+        _close_list(r["local_grads"], r["ungrouped_local_grads"], "grads")
+        _close_grads(r["grads"], r["ref_grads"])
+
+
+def test_partial_group_forward_grad_accum_chunked_compiled(pool2):
+    """The test above (``reshard_after_forward=True``), ours compiled (``aot_eager``, the
+    model and its head each): the accumulated gradient is added once there too."""
+    for r in pool2.run(partial_group_grad_accum_chunked, "ours", True, "aot_eager"):
         _close_list(r["local_grads"], r["ungrouped_local_grads"], "grads")
         _close_grads(r["grads"], r["ref_grads"])
 
