@@ -554,10 +554,10 @@ def test_transformers_own_tp_plan_matches_reference_and_fsdp2(pool4, arch):
     ours_aot = pool4.run(train_hf_own_plan, "ours:aot_eager", arch)[0]
     tp_only = pool4.run(train_hf_own_plan, "tp_only:eager", arch)[0]  # graphs are Dynamo's: no AOTAutograd needed
     assert ours_eager["placements"] == fsdp2["placements"]
-    if arch == "mixtral":
+    if arch == "mixtral":  # the experts' TP entries left transformers' plan for its EP plan (5.2x)
+        tp_experts = any("experts" in entry for entry in _hf_model(arch, 128).tp_plan)
         assert ours_eager["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == (
-            "Shard(dim=0)",
-            "_StridedShard(dim=1, sf=2)",
+            ("Shard(dim=0)", "_StridedShard(dim=1, sf=2)") if tp_experts else ("Shard(dim=0)",)
         )
     assert max_gap(fsdp2, reference) < 1e-5
     assert max_gap(ours_eager, reference) < 1e-5
