@@ -43,6 +43,7 @@ from fsdp_compile.base.compat import (
     fsdp2_reduces_in_original_dtype,
     functorch_transforms_active,
     fx_annotate,
+    in_backward_recompute,
     local_tensor_of,
     mark_as_parameter_input,
 )
@@ -157,6 +158,10 @@ class FSDPParam:
         # the next forward reads instead of gathering.
         self.kept: torch.Tensor | None = None
         self._grad_accumulator: torch.Tensor | None = None
+        # What the last grad-enabled gather claimed of each accumulator leaf's sum (see
+        # :meth:`claim_accumulated`); dropped once reduced.
+        self._claimed_sum: torch.Tensor | None = None
+        self._claimed_partial_sum: torch.Tensor | None = None
         # HSDP with set_requires_all_reduce(False): the leaf collecting the reduce-scattered,
         # not yet all-reduced, gradient (FSDP2's partial reduce output).
         self._partial_accumulator: torch.Tensor | None = None
@@ -459,8 +464,17 @@ class FSDPParam:
         accumulation), each added it, a silent double count. Traced, the take is a side
         effect Dynamo replays after the graph (a later gather in the same step reads
         ``None``: a graph without the sum, compiled once)."""
+        if not (torch.is_grad_enabled() and self.sharded_param.requires_grad):
+            return leaf.grad
+        name = "_claimed_sum" if leaf is self._grad_accumulator else "_claimed_partial_sum"
+        claimed = getattr(self, name)
+        if claimed is not None and not torch.compiler.is_compiling() and in_backward_recompute():
+            # An eager activation-checkpointing recompute refills what its forward saved (the
+            # gradients flow through that forward's graph): what that forward claimed.
+            return claimed
         pending = leaf.grad
-        if pending is not None and torch.is_grad_enabled() and self.sharded_param.requires_grad:
+        setattr(self, name, pending)
+        if pending is not None:
             leaf.grad = None
         return pending
 
@@ -654,8 +668,10 @@ class FSDPParam:
         # no gradient for the shard); only a pass that reduced has consumed a pending sum.
         if self._grad_accumulator is not None and self.unit.requires_gradient_sync:
             self._grad_accumulator.grad = None
+            self._claimed_sum = None
         if self._partial_accumulator is not None and self.unit.requires_all_reduce:
             self._partial_accumulator.grad = None
+            self._claimed_partial_sum = None
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn!r}, shape={tuple(self.sharded_param.shape)}, unit={self.unit.fqn!r})"
