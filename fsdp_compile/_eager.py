@@ -123,6 +123,22 @@ def gather_unit(unit: FSDPUnit) -> None:
             for fsdp_param in bucket:
                 owner, name = fsdp_param.owner
                 fsdp_param.gather(owner._parameters[name])
+    if len(unit.modules) > 1:
+        _keep_for_the_units_other_modules(unit)
+
+
+def _keep_for_the_units_other_modules(unit: FSDPUnit) -> None:
+    """A unit of several modules (``fully_shard([norm, output])``) stays gathered until the
+    forward around the one that gathered it returns, so that its other modules, run inside
+    that forward, read it without another all-gather (FSDP2 gathers such a unit once; each
+    module's forward gathered it again). Only inside an eager forward of the same root; a
+    module of the unit called outside it gathers again."""
+    frames, owners = forward_context.frames, forward_context.frame_owners
+    if len(frames) < 2 or owners[-2] is not unit.eager:
+        return
+    kept = [p for p in frames[-1] if p.unit is unit]
+    frames[-1][:] = [p for p in frames[-1] if p.unit is not unit]
+    frames[-2].extend(kept)
 
 
 def _to_gather(unit: FSDPUnit) -> list[FSDPParam]:

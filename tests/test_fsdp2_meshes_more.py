@@ -30,11 +30,6 @@ from tests.test_fsdp2_training_more import _close_grads, _full_grads, _ref_grads
 KINDS = ["fsdp2", "ours"] if os.environ.get("FSDP_COMPILE_CHECK_FSDP2") else ["ours"]
 
 
-def _kinds_failing(failing: str, reason: str) -> list:
-    """``KINDS`` with ``failing``'s run an expected (strict) failure."""
-    return [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=reason)) if k == failing else k for k in KINDS]
-
-
 def _cpu_offload():
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -609,14 +604,7 @@ def test_all_gather_extensions_end_to_end(pool2):
 # -- test_fully_shard_comm.py::TestFullyShardPrefetch
 
 
-_GROUP_GATHERED_PER_MODULE_OURS = (
-    "ours: a unit of several modules (fully_shard([a, b])) is all-gathered in the pre-forward of "
-    "each of its modules, so each pair of blocks, and [norm, output] despite "
-    "reshard_after_forward=False, is gathered twice per forward; FSDP2 gathers each unit once"
-)
-
-
-@pytest.mark.parametrize("kind", _kinds_failing("ours", _GROUP_GATHERED_PER_MODULE_OURS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_fully_shard_multi_module_backward_prefetch(pool2, kind):
     """upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_fully_shard_multi_module_backward_prefetch.
     Adapted: our small Llama (5 blocks, dim 16, checkpointed, untied output, blocks 3 and 4
@@ -624,7 +612,8 @@ def test_fully_shard_multi_module_backward_prefetch(pool2, kind):
     it has no positional embedding, so the embedding unit is ``tok_embeddings`` alone. As
     upstream, each of 3 iterations' forward gathers the units in order; upstream's patched
     ``unshard`` events become the all-gathers (upstream builds but does not assert the
-    backward's events, nor does this)."""
+    backward's events, nor does this). (Ours gathered a unit of several modules in each
+    module's forward: each pair of blocks, and ``[norm, output]``, twice per forward.)"""
     expected = ["tok_embeddings", "layers.0", "layers.1, layers.2", "layers.3, layers.4", "norm, output"]
     for forwards in pool2.run(multi_module_backward_prefetch, kind):
         assert forwards == [expected] * 3, forwards
