@@ -158,10 +158,8 @@ class FSDPParam:
         # the next forward reads instead of gathering.
         self.kept: torch.Tensor | None = None
         self._grad_accumulator: torch.Tensor | None = None
-        # What the last grad-enabled gather claimed of each accumulator leaf's sum (see
-        # :meth:`claim_accumulated`); dropped once reduced.
-        self._claimed_sum: torch.Tensor | None = None
-        self._claimed_partial_sum: torch.Tensor | None = None
+        # What the last grad-enabled gather claimed of each accumulator's sum (claim_accumulated).
+        self._claimed_sum = self._claimed_partial_sum = None
         # HSDP with set_requires_all_reduce(False): the leaf collecting the reduce-scattered,
         # not yet all-reduced, gradient (FSDP2's partial reduce output).
         self._partial_accumulator: torch.Tensor | None = None
