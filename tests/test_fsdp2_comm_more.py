@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.models import fully_shard_of
-from tests.test_fsdp2_contract import _avg_grads, _close, _llama, _ref_params
-from tests.test_fsdp2_contract_more import AG, MLP, RS, CollectiveLog, _mesh
+from tests.test_fsdp2_contract import _close, _llama, _ref_params
+from tests.test_fsdp2_contract_more import AG, MLP, RS, CollectiveLog, _mesh, steps_beside_reference
 
 #: Each test runs against ours; with ``FSDP_COMPILE_CHECK_FSDP2=1`` against torch's FSDP2
 #: too, which checks that the re-written test holds for FSDP2.
@@ -237,18 +237,7 @@ def multi_module_unused_module(kind: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     inp = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank() + 1))
-    losses = []
-    for _ in range(3):
-        ref_opt.zero_grad()
-        ref_loss = ref(inp).sum()
-        ref_loss.backward()
-        _avg_grads(ref)
-        ref_opt.step()
-        opt.zero_grad()
-        loss = model(inp).sum()
-        loss.backward()
-        opt.step()
-        losses.append((loss.detach(), ref_loss.detach()))
+    losses = steps_beside_reference(model, opt, ref, ref_opt, inp)
     from fsdp_compile.testing import full_parameters
 
     unused_grads = [n for n, p in model.named_parameters() if "unused" in n and p.grad is not None]

@@ -1452,8 +1452,14 @@ def backward_misprefetch(kind: str) -> list:
     model.in_proj.set_modules_to_backward_prefetch([model.out_proj])
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     inp = torch.randn(2, 16, generator=torch.Generator().manual_seed(dist.get_rank() + 1))
+    return steps_beside_reference(model, opt, ref, ref_opt, inp)
+
+
+def steps_beside_reference(model, opt, ref, ref_opt, inp: torch.Tensor, steps: int = 3) -> list:
+    """``steps`` steps of the sharded ``model`` and of its unsharded ``ref`` (gradients
+    averaged, as DDP's) on the same input: per step, (loss, reference loss)."""
     losses = []
-    for _ in range(3):
+    for _ in range(steps):
         ref_opt.zero_grad()
         ref_loss = ref(inp).sum()
         ref_loss.backward()
