@@ -12,6 +12,11 @@ bounds, each phase's bytes read from Linux's resident-set counters instead of CU
   (upstream's tests that pass against FSDP2 on CPU);
 - our Llama block (attention + SwiGLU, dim 768, 12 heads, ffn 2048: 7.1M parameters) for
   upstream's ``TransformerBlock`` (7.1M); the root holds the embedding, norm and output;
+- the resident set holds gloo's own scratch memory, which CUDA's allocator statistics never
+  count (NCCL's buffers are not torch's): gloo reduce-scatters by all-reducing the whole input
+  on its own thread, with scratch of up to the input's size (one block's gradients) whose
+  lifetime against the next unit's compute depends on timing (+26 MB measured at the
+  backward's peak in full-suite runs, 0 alone), so the backward bound allows one block for it;
 - one known difference, in the backward bound: our eager backward allocates a unit's
   reduce-scatter output while autograd still holds that unit's unsharded gradients (they are
   the arguments of the backward call that issues it), where FSDP2 frees them first: one
@@ -130,6 +135,7 @@ def _phases(kind: str, reshard_after_forward: bool, dim: int, n_heads: int, ffn_
         loss.sum().backward()
     if reshard_after_forward:  # one gathered block, its gradients and reduce-scatter input, the root's; shards and gradients
         bound = (3 * block_numel + non_block_numel + 2 * sharded_numel) * 4 / MB + buffer_mb
+        bound += block_numel * 4 / MB  # gloo's scratch for the reduce-scatter in flight (module docstring)
         if kind == "ours":  # the known difference (module docstring): the reduce-scatter output beside the gradients
             bound += block_numel / 2 * 4 / MB
     else:
