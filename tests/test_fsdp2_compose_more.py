@@ -263,7 +263,6 @@ class TiedModel(nn.Module):
 def shared_params_separate_groups(kind: str) -> dict:
     """The tied embedding/output sharded in separate ``fully_shard`` calls: FSDP2 raises at
     the first forward; ours trains (Adam) and is compared with the unsharded reference."""
-    from fsdp_compile.testing import full_parameters
 
     fully_shard = fully_shard_of(kind)
     torch.manual_seed(42)
@@ -279,25 +278,7 @@ def shared_params_separate_groups(kind: str) -> dict:
     except ValueError as e:
         return {"error": str(e)}
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
-    losses, ref_losses = [], []
-    for step in range(STEPS):
-        out = first if step == 0 else model(ids[step])
-        loss, ref_loss = out.sum(), ref(ids[step]).sum()
-        loss.backward()
-        ref_loss.backward()
-        _avg_grads(ref)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        losses.append(loss.detach())
-        ref_losses.append(ref_loss.detach())
-    return {
-        "error": None,
-        "losses": torch.stack(losses),
-        "ref_losses": torch.stack(ref_losses),
-        "params": full_parameters(model),
-        "ref_params": _ref_params(ref),
-    }
+    return {"error": None, **_steps_beside_reference(model, opt, ref, ref_opt, ids, first)}
 
 
 def shard_placement_contiguous(kind: str) -> list[str]:
@@ -354,19 +335,28 @@ def shard_largest_dim_parity(kind: str) -> dict:
     init = {"params": full_parameters(model), "ref_params": _ref_params(ref)}
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     (inp,) = _tokens()
+    return {"init": init, **_steps_beside_reference(model, opt, ref, ref_opt, [inp] * STEPS)}
+
+
+def _steps_beside_reference(model, opt, ref, ref_opt, inputs: list, first_output=None) -> dict:
+    """One step of the sharded ``model`` and of its unsharded ``ref`` (gradients averaged,
+    as DDP's) per input; ``first_output``: the model's output for the first input, already
+    computed. Losses per step and parameters after the last, of both."""
+    from fsdp_compile.testing import full_parameters
+
     losses, ref_losses = [], []
-    for _ in range(STEPS):
-        ref_loss, loss = ref(inp).sum(), model(inp).sum()
-        ref_loss.backward()
+    for step, inp in enumerate(inputs):
+        out = first_output if step == 0 and first_output is not None else model(inp)
+        loss, ref_loss = out.sum(), ref(inp).sum()
         loss.backward()
+        ref_loss.backward()
         _avg_grads(ref)
-        for o in (ref_opt, opt):
+        for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
         losses.append(loss.detach())
         ref_losses.append(ref_loss.detach())
     return {
-        "init": init,
         "losses": torch.stack(losses),
         "ref_losses": torch.stack(ref_losses),
         "params": full_parameters(model),
