@@ -28,8 +28,11 @@ from fsdp_compile.runtime.collectives import (
     ShardLayout,
     as_movable,
     issue_all_gather,
+    add_reduce_scatter_halves,
     issue_all_reduce,
     issue_reduce_scatter,
+    issue_reduce_scatter_halves,
+    sums_reduce_scatter_here,
 )
 
 
@@ -104,9 +107,12 @@ class ReduceScatterInFlight:
     reduce_group_ops: tuple[str, ...]
     postdivide: float | None
     shard_dtypes: list[torch.dtype]
+    halves_op: str | None = None  # ``reduced`` holds both ranks' halves to reduce so (``sums_reduce_scatter_here``)
 
     def wait(self) -> list[torch.Tensor]:
         out = c10d_functional.wait_tensor(self.reduced)
+        if self.halves_op is not None:
+            out = add_reduce_scatter_halves(out, self.halves_op)
         shards, offset = [], 0
         for layout in self.layouts:
             width = layout.padded_numel
@@ -135,9 +141,19 @@ def issue_reduce_scatter_bucket(
     flat = reduce_scatter_copy_in(
         [g.contiguous() for g in grads], [layout.padded_numel * world_size for layout in layouts], world_size
     )
-    reduced = issue_reduce_scatter(flat, spec.reduce_op, world_size, group_name)
+    halves = sums_reduce_scatter_here(flat, spec.reduce_op, world_size, group_name)
+    if halves:
+        reduced = issue_reduce_scatter_halves(flat, group_name)
+    else:
+        reduced = issue_reduce_scatter(flat, spec.reduce_op, world_size, group_name)
     return ReduceScatterInFlight(
-        reduced, list(layouts), spec.reduce_group_names, spec.all_reduce_ops(), spec.grad_postdivide, list(shard_dtypes)
+        reduced,
+        list(layouts),
+        spec.reduce_group_names,
+        spec.all_reduce_ops(),
+        spec.grad_postdivide,
+        list(shard_dtypes),
+        spec.reduce_op if halves else None,
     )
 
 

@@ -209,7 +209,9 @@ def _runs_eagerly(t: torch.Tensor) -> bool:
 # all-gather the functional op takes, whose worker threads race on the group's status
 # record (heap corruption with two in flight on one group). Traced code keeps the
 # functional ops (compiled graphs over gloo send all-gathers as all-to-alls,
-# ``config.gloo_all_to_all``); the functional ``wait_tensor`` waits for both.
+# ``config.gloo_all_to_all``); the functional ``wait_tensor`` waits for both. One eager
+# exception, where nobody watches op by op: a bucket's reduce-scatter over 2 gloo ranks goes
+# out as an all-to-all (:func:`sums_reduce_scatter_here`).
 def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """``all_gather_into_tensor`` of ``shard`` (dim 0 first), issued, not waited on (see
     [Note: eager collectives])."""
@@ -225,6 +227,48 @@ def issue_reduce_scatter(full: torch.Tensor, reduce_op: str, world_size: int, gr
         out = full.new_empty((full.shape[0] // world_size, *full.shape[1:]))
         return issue_c10d_collective("reduce_scatter", out, full, group_name, reduce_op)
     return c10d_functional.reduce_scatter_tensor(full, reduce_op, world_size, group_name)
+
+
+def sums_reduce_scatter_here(full: torch.Tensor, reduce_op: str, world_size: int, group_name: str) -> bool:
+    """Whether an eager reduce-scatter of ``full`` goes out as an all-to-all whose two
+    halves this rank then adds (:func:`issue_reduce_scatter_halves`,
+    :func:`add_reduce_scatter_halves`): with ``config.gloo_all_to_all``, a ``sum`` or
+    ``avg`` over a gloo group of 2 ranks, unless watched (below). gloo's own
+    reduce-scatter copies the whole input and all-reduces it (twice the bytes, on gloo's
+    thread); the all-to-all sends the other rank its half. The result is gloo's bit for
+    bit: one addition of two values, which is commutative, then for ``avg`` gloo's
+    division of the sum by 2 (wider groups keep gloo's reduction: its order of additions
+    is its own). Where collectives are watched op by op (``CommDebugMode``, any Python
+    dispatch mode, a patched ``torch.distributed.reduce_scatter_single``:
+    ``compat.collectives_observed``) it is FSDP2's reduce-scatter, so that counts and
+    checks see FSDP2's ops."""
+    from fsdp_compile.base import config
+    from fsdp_compile.base.compat import collectives_observed, group_backend
+
+    return (
+        config.gloo_all_to_all
+        and world_size == 2
+        and reduce_op in ("sum", "avg")
+        and _runs_eagerly(full)
+        and group_backend(group_name) == "gloo"
+        and not collectives_observed()
+    )
+
+
+def issue_reduce_scatter_halves(full: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The all-to-all of :func:`sums_reduce_scatter_here`: ``full`` (contiguous, dim 0
+    first, even rows) split in two along dim 0, half ``k`` sent to rank ``k``; the output
+    (issued, not waited on) holds both ranks' halves for this rank, rank-major."""
+    return issue_c10d_collective("all_to_all", torch.empty_like(full), full, group_name)
+
+
+def add_reduce_scatter_halves(halves: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """This rank's reduce-scatter output from the waited output of
+    :func:`issue_reduce_scatter_halves`: rank 0's half plus rank 1's (``avg``: halved
+    after, as gloo averages)."""
+    first, second = halves.chunk(2)
+    total = first + second
+    return total / 2 if reduce_op == "avg" else total
 
 
 def issue_all_reduce(t: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:

@@ -142,3 +142,81 @@ def test_gradients_are_fsdp2s_bitwise_in_float16_and_with_sum_reductions(pool2, 
     for rank in range(ranks):
         _assert_same(eager[rank], expected[rank], f"eager vs FSDP2, rank {rank}")
         _assert_same(compiled[rank], eager[rank], f"aot_eager vs eager, rank {rank}", exact=ranks == 2)
+
+
+def train_counting_reduce_scatters(transport: bool, watched_by: str | None) -> dict:
+    """An eager bucketed step on gloo per reduce dtype (float32 ``avg``, bfloat16 and
+    float16 sums): the gradients, and which collectives went to ``torch.distributed``
+    (``watched_by``: ``"CommDebugMode"``, with its count of reduce-scatters, or
+    ``"patch"``: ``dist.reduce_scatter_single`` patched, as torch's FSDP2 tests do)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import fsdp_compile
+    import fsdp_compile.runtime.collectives as collectives
+    from fsdp_compile.testing import full_tensor
+
+    calls: dict = {}
+    issue = collectives.issue_c10d_collective
+
+    def counting_issue(kind, *args, **kwargs):
+        calls[kind] = calls.get(kind, 0) + 1
+        return issue(kind, *args, **kwargs)
+
+    real_reduce_scatter = dist.reduce_scatter_single
+
+    def patched_reduce_scatter(*args, **kwargs):
+        calls["patched"] = calls.get("patched", 0) + 1
+        return real_reduce_scatter(*args, **kwargs)
+
+    grads = {}
+    with fsdp_compile.config.patch(gloo_all_to_all=transport), mock.patch.object(collectives, "issue_c10d_collective", counting_issue):
+        for reduce_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 13), nn.Linear(13, 5))
+            mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+            for m in (model[0], model[2], model):
+                fsdp_compile.fully_shard(m, mp_policy=mp)
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1 + dist.get_rank())) * 3
+            if watched_by == "CommDebugMode":
+                with CommDebugMode() as comm:
+                    model(x).square().mean().backward()
+                counted = comm.get_comm_counts().get(torch.ops.c10d._reduce_scatter_base_, 0)
+                calls["counted"] = calls.get("counted", 0) + counted
+            elif watched_by == "patch":
+                with mock.patch.object(dist, "reduce_scatter_single", patched_reduce_scatter):
+                    model(x).square().mean().backward()
+            else:
+                model(x).square().mean().backward()
+            grads[str(reduce_dtype)] = [full_tensor(p.grad) for p in model.parameters()]
+    return {"calls": calls, "grads": grads}
+
+
+def test_eager_reduce_scatters_over_two_gloo_ranks_are_all_to_alls_with_gloos_bits(pool2):
+    """Eager, 2 gloo ranks: each bucket's reduce-scatter goes out as an all-to-all of
+    its halves, added on arrival (gloo's own reduce-scatter all-reduces a copy of the
+    whole input: twice the bytes), with the same bits as gloo's for ``avg`` and for sums
+    in bfloat16 and float16. Watched op by op (``CommDebugMode``, a patched
+    ``dist.reduce_scatter_single``) it is FSDP2's reduce-scatter; ``gloo_all_to_all=False``
+    keeps gloo's."""
+    kept = pool2.run(train_counting_reduce_scatters, False, None)
+    runs = {
+        "sent": pool2.run(train_counting_reduce_scatters, True, None),
+        "counted": pool2.run(train_counting_reduce_scatters, True, "CommDebugMode"),
+        "patched": pool2.run(train_counting_reduce_scatters, True, "patch"),
+    }
+    expected = {
+        "sent": {"all_gather": 12, "all_to_all": 9},
+        "counted": {"all_gather": 12, "reduce_scatter": 9, "counted": 9},
+        "patched": {"all_gather": 12, "reduce_scatter": 9, "patched": 9},
+    }
+    for rank in range(2):
+        assert kept[rank]["calls"] == {"all_gather": 12, "reduce_scatter": 9}
+        for name, run in runs.items():
+            assert run[rank]["calls"] == expected[name], name
+            for dtype, grads in kept[rank]["grads"].items():
+                for i, (a, b) in enumerate(zip(run[rank]["grads"][dtype], grads, strict=True)):
+                    assert torch.equal(a, b), f"{name}, {dtype}, gradient {i}: max diff {(a - b).abs().max()}"

@@ -78,7 +78,12 @@ eager_overlap: bool = True
 #: in flight on one group (README, Limitations); a faster compiled step on CPU
 #: (BENCHMARKS.md). The compiled code then shows all-to-alls where profiles and
 #: ``TORCH_LOGS=output_code`` readers may expect all-gathers; False keeps gloo's
-#: own collectives. Eager runs and other backends (NCCL) never change.
+#: own collectives. Eager runs over a gloo group of 2 ranks send each bucket's
+#: reduce-scatter as an all-to-all of its halves, added on arrival (gloo's bits, half
+#: the bytes; ``runtime.collectives.sums_reduce_scatter_here``), except where collectives
+#: are watched op by op (``CommDebugMode`` or any dispatch mode; a patched
+#: ``dist.reduce_scatter_single``), which then see FSDP2's reduce-scatters. Other
+#: backends (NCCL) never change.
 gloo_all_to_all: bool = True
 
 #: The first time each compiled graph runs, ranks compare their collective
