@@ -26,9 +26,9 @@ from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatte
 from fsdp_compile.runtime.collectives import (
     CollectiveSpec,
     ShardLayout,
+    add_reduce_scatter_halves,
     as_movable,
     issue_all_gather,
-    add_reduce_scatter_halves,
     issue_all_reduce,
     issue_reduce_scatter,
     issue_reduce_scatter_halves,

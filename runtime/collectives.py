@@ -239,12 +239,7 @@ def _exchanges_here(world_size: int, group_name: str) -> bool:
     from fsdp_compile.base import config
     from fsdp_compile.base.compat import collectives_observed, group_backend
 
-    return (
-        config.gloo_all_to_all
-        and world_size == 2
-        and group_backend(group_name) == "gloo"
-        and not collectives_observed()
-    )
+    return config.gloo_all_to_all and world_size == 2 and group_backend(group_name) == "gloo" and not collectives_observed()
 
 
 def sums_reduce_scatter_here(full: torch.Tensor, reduce_op: str, world_size: int, group_name: str) -> bool:
