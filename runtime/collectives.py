@@ -217,8 +217,7 @@ def issue_all_gather(shard: torch.Tensor, world_size: int, group_name: str) -> t
     [Note: eager collectives])."""
     if _runs_eagerly(shard):
         out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
-        kind = "all_gather_by_exchange" if _exchanges_here(world_size, group_name) else "all_gather"
-        return issue_c10d_collective(kind, out, shard.contiguous(), group_name)
+        return issue_c10d_collective("all_gather", out, shard.contiguous(), group_name)
     return c10d_functional.all_gather_into_tensor(shard, world_size, group_name)
 
 
@@ -228,18 +227,6 @@ def issue_reduce_scatter(full: torch.Tensor, reduce_op: str, world_size: int, gr
         out = full.new_empty((full.shape[0] // world_size, *full.shape[1:]))
         return issue_c10d_collective("reduce_scatter", out, full, group_name, reduce_op)
     return c10d_functional.reduce_scatter_tensor(full, reduce_op, world_size, group_name)
-
-
-def _exchanges_here(world_size: int, group_name: str) -> bool:
-    """Whether an eager collective over ``group_name`` goes out as an all-to-all between
-    the two ranks (``config.gloo_all_to_all``, a gloo group of 2 ranks, nobody watching
-    op by op: ``compat.collectives_observed``). For an all-gather: this rank's rows are
-    copied into its block and the other's received into theirs, with no staging buffer
-    (gloo's all-gather copies through flat ones); the same bytes land."""
-    from fsdp_compile.base import config
-    from fsdp_compile.base.compat import collectives_observed, group_backend
-
-    return config.gloo_all_to_all and world_size == 2 and group_backend(group_name) == "gloo" and not collectives_observed()
 
 
 def sums_reduce_scatter_here(full: torch.Tensor, reduce_op: str, world_size: int, group_name: str) -> bool:
@@ -255,7 +242,17 @@ def sums_reduce_scatter_here(full: torch.Tensor, reduce_op: str, world_size: int
     dispatch mode, a patched ``torch.distributed.reduce_scatter_single``:
     ``compat.collectives_observed``) it is FSDP2's reduce-scatter, so that counts and
     checks see FSDP2's ops."""
-    return reduce_op in ("sum", "avg") and _runs_eagerly(full) and _exchanges_here(world_size, group_name)
+    from fsdp_compile.base import config
+    from fsdp_compile.base.compat import collectives_observed, group_backend
+
+    return (
+        config.gloo_all_to_all
+        and world_size == 2
+        and reduce_op in ("sum", "avg")
+        and _runs_eagerly(full)
+        and group_backend(group_name) == "gloo"
+        and not collectives_observed()
+    )
 
 
 def issue_reduce_scatter_halves(full: torch.Tensor, group_name: str) -> torch.Tensor:

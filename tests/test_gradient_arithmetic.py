@@ -195,13 +195,13 @@ def train_counting_reduce_scatters(transport: bool, watched_by: str | None) -> d
     return {"calls": calls, "grads": grads}
 
 
-def test_eager_collectives_over_two_gloo_ranks_are_all_to_alls_with_gloos_bits(pool2):
+def test_eager_reduce_scatters_over_two_gloo_ranks_are_all_to_alls_with_gloos_bits(pool2):
     """Eager, 2 gloo ranks: each bucket's reduce-scatter goes out as an all-to-all of
     its halves, added on arrival (gloo's own reduce-scatter all-reduces a copy of the
     whole input: twice the bytes), with the same bits as gloo's for ``avg`` and for sums
-    in bfloat16 and float16; each all-gather as an exchange of the two ranks' rows.
-    Watched op by op (``CommDebugMode``, a patched ``dist.reduce_scatter_single``) they
-    are FSDP2's collectives; ``gloo_all_to_all=False`` keeps gloo's."""
+    in bfloat16 and float16. Watched op by op (``CommDebugMode``, a patched
+    ``dist.reduce_scatter_single``) it is FSDP2's reduce-scatter; ``gloo_all_to_all=False``
+    keeps gloo's."""
     kept = pool2.run(train_counting_reduce_scatters, False, None)
     runs = {
         "sent": pool2.run(train_counting_reduce_scatters, True, None),
@@ -209,7 +209,7 @@ def test_eager_collectives_over_two_gloo_ranks_are_all_to_alls_with_gloos_bits(p
         "patched": pool2.run(train_counting_reduce_scatters, True, "patch"),
     }
     expected = {
-        "sent": {"all_gather_by_exchange": 12, "all_to_all": 9},
+        "sent": {"all_gather": 12, "all_to_all": 9},
         "counted": {"all_gather": 12, "reduce_scatter": 9, "counted": 9},
         "patched": {"all_gather": 12, "reduce_scatter": 9, "patched": 9},
     }

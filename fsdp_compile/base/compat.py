@@ -490,33 +490,29 @@ def group_backend(group_name: str) -> str | None:
 def collectives_observed() -> bool:
     """Whether this thread's eager collectives are being watched op by op: a Python
     dispatch mode is active (torch's ``CommDebugMode``, a test's op log; the mode stack
-    is private in torch 2.13), or ``torch.distributed.reduce_scatter_single`` or
-    ``all_gather_single`` is patched (torch's FSDP2 tests patch them to check each call). Eager collectives then
+    is private in torch 2.13), or ``torch.distributed.reduce_scatter_single`` is patched
+    (torch's FSDP2 tests patch it to check each reduce-scatter). Eager collectives then
     go out as FSDP2's, whatever their transport would otherwise be."""
     import torch.distributed as dist
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return bool(_get_current_dispatch_mode_stack()) or (
-        dist.reduce_scatter_single is not _TORCH_REDUCE_SCATTER_SINGLE or dist.all_gather_single is not _TORCH_ALL_GATHER_SINGLE
-    )
+    return bool(_get_current_dispatch_mode_stack()) or dist.reduce_scatter_single is not _TORCH_REDUCE_SCATTER_SINGLE
 
 
-def _torchs(name: str):
+def _torch_reduce_scatter_single():
     import torch.distributed as dist
 
-    return getattr(dist, name, None)
+    return getattr(dist, "reduce_scatter_single", None)
 
 
-#: torch's own, as imported before any test could patch them.
-_TORCH_REDUCE_SCATTER_SINGLE = _torchs("reduce_scatter_single")
-_TORCH_ALL_GATHER_SINGLE = _torchs("all_gather_single")
+#: torch's own, as imported before any test could patch it.
+_TORCH_REDUCE_SCATTER_SINGLE = _torch_reduce_scatter_single()
 
 
 def issue_c10d_collective(kind: str, output: torch.Tensor, input_: torch.Tensor, group_name: str, reduce_op: str | None = None):
     """Issue one eager collective as FSDP2 does, through ``torch.distributed``
     (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce`` into ``output``, a copy
-    of ``input_``; or ``all_to_all_single``, also as the all-gather of 2 ranks that sends the
-    other rank our rows, ``all_gather_by_exchange``), so that torch's ``CommDebugMode`` and profiler see FSDP2's ops
+    of ``input_``; or ``all_to_all_single``), so that torch's ``CommDebugMode`` and profiler see FSDP2's ops
     (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``c10d.allreduce_``), and
     register its work on ``output`` (``torch._C._distributed_c10d._register_work``, private in
     torch 2.13) so that the functional ``wait_tensor(output)`` waits for it."""
@@ -526,12 +522,6 @@ def issue_c10d_collective(kind: str, output: torch.Tensor, input_: torch.Tensor,
     group = _resolve_process_group(group_name)
     if kind == "all_gather":
         work = dist.all_gather_single(output, input_, group=group, async_op=True)
-    elif kind == "all_gather_by_exchange":  # 2 ranks: keep our rows, receive the other's
-        rank, rows = group.rank(), input_.shape[0]
-        output.narrow(0, rank * rows, rows).copy_(input_)
-        splits = [0 if k == rank else rows for k in range(2)]
-        received = output.narrow(0, (1 - rank) * rows, rows)
-        work = dist.all_to_all_single(received, input_, splits, splits, group=group, async_op=True)
     elif kind == "all_to_all":
         work = dist.all_to_all_single(output, input_, group=group, async_op=True)
     elif kind == "reduce_scatter":
