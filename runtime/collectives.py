@@ -17,7 +17,16 @@ from typing import NamedTuple
 
 import torch
 
-from fsdp_compile.base.compat import NO_ANNOTATION, annotating, c10d_functional, fx_annotate, issue_c10d_collective
+from fsdp_compile.base import config
+from fsdp_compile.base.compat import (
+    NO_ANNOTATION,
+    annotating,
+    c10d_functional,
+    collectives_observed,
+    fx_annotate,
+    group_backend,
+    issue_c10d_collective,
+)
 from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
 from fsdp_compile.runtime.bucket_copies import pad_dim0
 from fsdp_compile.runtime.vocabulary import CollectiveTag, Role
@@ -242,9 +251,6 @@ def sums_reduce_scatter_here(full: torch.Tensor, reduce_op: str, world_size: int
     dispatch mode, a patched ``torch.distributed.reduce_scatter_single``:
     ``compat.collectives_observed``) it is FSDP2's reduce-scatter, so that counts and
     checks see FSDP2's ops."""
-    from fsdp_compile.base import config
-    from fsdp_compile.base.compat import collectives_observed, group_backend
-
     return (
         config.gloo_all_to_all
         and world_size == 2

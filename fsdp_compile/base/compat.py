@@ -499,14 +499,8 @@ def collectives_observed() -> bool:
     return bool(_get_current_dispatch_mode_stack()) or dist.reduce_scatter_single is not _TORCH_REDUCE_SCATTER_SINGLE
 
 
-def _torch_reduce_scatter_single():
-    import torch.distributed as dist
-
-    return getattr(dist, "reduce_scatter_single", None)
-
-
 #: torch's own, as imported before any test could patch it.
-_TORCH_REDUCE_SCATTER_SINGLE = _torch_reduce_scatter_single()
+_TORCH_REDUCE_SCATTER_SINGLE = getattr(torch.distributed, "reduce_scatter_single", None)
 
 
 def issue_c10d_collective(kind: str, output: torch.Tensor, input_: torch.Tensor, group_name: str, reduce_op: str | None = None):
