@@ -275,6 +275,22 @@ def output_code_hook(fn):
         GraphLowering.save_output_code = previous
 
 
+@contextlib.contextmanager
+def graph_caches_off():
+    """Inductor's FX graph cache and AOTAutograd's cache off (local and remote): a graph
+    found in either skips the post-grad passes and code generation. The compiled-kernel
+    cache stays on (``torch.compiler.config.force_disable_caches`` would also move
+    Inductor to a fresh cache directory and recompile every C++/Triton kernel)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with (
+        inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
+        functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
+    ):
+        yield
+
+
 def register_torch_log(alias: str, logger_name: str) -> None:
     """torch/_logging/_internal.py: make ``TORCH_LOGS="+alias"`` control ``logger_name``."""
     import os

@@ -41,19 +41,19 @@ def dump_dir() -> Path | None:
 def dump(path: str | os.PathLike) -> Iterator[Path]:
     """Write every stage of each graph compiled inside the context under ``path``.
 
-    Inductor's caches are off inside it: a graph found in a cache skips our passes
-    and Inductor's code generation, so it would have no stage to write."""
+    Inductor's graph caches are off inside it: a graph found in a cache skips our passes
+    and Inductor's code generation, so it would have no stage to write. Compiled kernels
+    are still taken from Inductor's cache."""
     import depyf
-    import torch
 
-    from fsdp_compile.base.compat import output_code_hook
+    from fsdp_compile.base.compat import graph_caches_off, output_code_hook
 
     previous = _state["dir"]
     _state["dir"] = str(path)
     here = dump_dir()
     try:
         with (
-            torch.compiler.config.patch(force_disable_caches=True),
+            graph_caches_off(),
             depyf.prepare_debug(str(here / "depyf")),
             output_code_hook(_save_output_code),
         ):
