@@ -48,7 +48,46 @@ def inductor_compile_setup() -> tuple:
     return inductor_config.compile_threads, async_compile._process_pool_allowed()
 
 
+def full_tensors_of_2d_layouts() -> list:
+    """On a 2 x 2 gloo mesh: ``fsdp_compile.testing.full_tensor`` of DTensors laid out as
+    FSDP + TP lays them out (``_StridedShard`` and ``Shard`` on both dims, uneven rows,
+    replicated dims), with ``full_tensor()`` made to fail, and ``DTensor.full_tensor()`` of
+    the same, with the tensor itself."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fsdp_compile.base.compat import strided_shard
+    from fsdp_compile.testing import full_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    out = []
+    for shape, placements in [
+        ((7, 6), [Shard(0), Shard(1)]),
+        ((9, 5), [strided_shard(0, 2), Shard(0)]),
+        ((5, 3), [Shard(0), Shard(0)]),
+        ((4, 6), [Replicate(), Shard(1)]),
+        ((3,), [Shard(0), Replicate()]),
+    ]:
+        whole = torch.randn(shape)
+        t = distribute_tensor(whole, mesh, placements, src_data_rank=None)
+        with mock.patch.object(DTensor, "full_tensor", side_effect=AssertionError("full_tensor() called")):
+            ours = full_tensor(t)
+        out.append((whole, ours, t.full_tensor()))
+    return out
+
+
 # ---------------------------------------------------------------- tests
+
+
+def test_full_tensor_gathers_fsdp_tp_layouts_without_full_tensor(rank_pools):
+    """The test helper's gather of 2-D layouts (gloo's plain all-gather, not
+    ``full_tensor()``'s coalesced one) is the tensor, as ``full_tensor()`` is."""
+    for rank_result in rank_pools(4).run(full_tensors_of_2d_layouts):
+        for whole, ours, dtensors in rank_result:
+            assert torch.equal(ours, whole) and torch.equal(dtensors, whole), (whole.shape, ours, whole)
 
 def test_ranks_build_kernels_on_two_threads_without_worker_subprocesses(pool2):
     """A rank builds Inductor's C++ kernels on two threads of its own process (the ranks of

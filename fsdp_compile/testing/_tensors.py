@@ -17,11 +17,16 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     ``dist.all_gather_into_tensor`` (gloo's ``_allgather_base``) rather than
     ``DTensor.full_tensor()``, whose functional all-gather takes gloo's coalesced
     all-gather: back-to-back calls of that one can corrupt the heap (README,
-    Limitations), which killed a rank of this suite now and then."""
+    Limitations), which killed a rank of this suite now and then. Other layouts of
+    a plain tensor over a gloo mesh of every rank (FSDP + TP: ``Shard`` and
+    ``_StridedShard`` on several mesh dims) are gathered the same way, with the
+    global positions of each rank's elements."""
     if not isinstance(t, DTensor):
         return t.detach().clone()
     with torch.no_grad():
         gathered = _all_gathered_over_gloo(t)
+        if gathered is None:
+            gathered = _scattered_over_a_gloo_world(t)
         return (gathered if gathered is not None else t.full_tensor()).detach().clone()
 
 
@@ -43,6 +48,45 @@ def _all_gathered_over_gloo(t: DTensor) -> torch.Tensor | None:
     if type(local) is not torch.Tensor:
         return _wrapper_gathered(local, t.shape, group, t.device_mesh.size(mesh_dim))
     return _rows_gathered(local, t.shape[0], group, t.device_mesh.size(mesh_dim))
+
+
+def _scattered_over_a_gloo_world(t: DTensor) -> torch.Tensor | None:
+    """``t``'s whole tensor, for any placements but ``Partial`` over a gloo mesh that holds
+    every rank, with a plain local tensor; ``None`` otherwise. Each rank's local
+    elements are gathered with the global positions they hold, which ``distribute_tensor``
+    of the positions themselves gives, splitting locally as ``t`` was split (so
+    ``_StridedShard``'s order is DTensor's own); replicated copies write equal values."""
+    from torch.distributed.tensor import distribute_tensor
+
+    local, mesh = t.to_local(), t.device_mesh
+    if (
+        type(local) is not torch.Tensor
+        or any(p.is_partial() for p in t.placements)
+        or mesh.size() != dist.get_world_size()
+        or dist.get_backend() != "gloo"
+    ):
+        return None
+    positions = torch.arange(t.numel()).view(t.shape)
+    mine = distribute_tensor(positions, mesh, t.placements, src_data_rank=None).to_local().reshape(-1)
+    sizes = torch.empty(dist.get_world_size(), dtype=torch.int64)
+    dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()]))
+    width = int(sizes.max())
+    values = as_movable(local.detach().contiguous().reshape(-1))
+    sent_values = values.new_zeros(width)
+    sent_values[: values.numel()] = values
+    sent_positions = mine.new_zeros(width)
+    sent_positions[: mine.numel()] = mine
+    all_values = values.new_empty(width * sizes.numel())
+    all_positions = mine.new_empty(width * sizes.numel())
+    dist.all_gather_into_tensor(all_values, sent_values)
+    dist.all_gather_into_tensor(all_positions, sent_positions)
+    whole, covered = values.new_empty(t.numel()), torch.zeros(t.numel(), dtype=torch.bool)
+    for rank, size in enumerate(sizes.tolist()):
+        start = rank * width
+        whole[all_positions[start : start + size]] = all_values[start : start + size]
+        covered[all_positions[start : start + size]] = True
+    assert bool(covered.all()), f"full_tensor: the ranks' shards of a {tuple(t.shape)} tensor leave elements out"
+    return whole.view(local.dtype).view(t.shape) if values.dtype != local.dtype else whole.view(t.shape)
 
 
 def _wrapper_gathered(local, shape, group, size) -> torch.Tensor | None:
