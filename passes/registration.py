@@ -16,7 +16,10 @@ passes run under Inductor only; ``aot_eager`` runs the traced graph as is.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import re
 import time
 import warnings
 
@@ -26,6 +29,7 @@ from fsdp_compile.base import config, dumps
 from fsdp_compile.base.compat import (
     CustomGraphPass,
     current_compile_attempt,
+    current_recompile_reason,
     dynamo_graph_break_counts,
     get_joint_custom_pass,
     get_post_grad_custom_post_pass,
@@ -158,21 +162,54 @@ def _warn_if_graph_break(graph: fx.Graph) -> None:
 
 
 def _warn_if_recompile(gm: fx.GraphModule) -> None:
-    """A frame compiled again that holds sharded units: say which units, and where to look."""
+    """A frame compiled again that holds sharded units, because of a guard on sharding state
+    (our units' attributes, or a guard our code made): say which units, which guard, and
+    where to look. A guard of the model's own (a module attribute such as a layer index,
+    grad mode, an input's shape) recompiles the unsharded model as well, and FSDP2's: Dynamo
+    reports those (``TORCH_LOGS=recompiles``), we say nothing."""
     attempt = current_compile_attempt()
     if attempt is None or not attempt[1]:
         return
     units = unit_names_in(gm.graph)
     if not units:
         return
+    reason = current_recompile_reason()
+    guard = reason.strip().splitlines()[0] if reason else ""
+    if reason is not None and not _guard_on_sharding_state(guard):
+        return
     warnings.warn(
         f"fsdp_compile: recompiling a graph (frame {attempt[0]}, compile #{attempt[1] + 1}) that holds "
-        f"the sharded unit(s) {', '.join(repr(u or '(root)') for u in units)}. Expected after "
-        "train()/eval() switches, new input shapes or the first switch of a set_requires_gradient_sync / "
-        "set_requires_all_reduce / set_reshard_after_* mode; otherwise TORCH_LOGS=recompiles shows the guard "
-        "that failed, and fsdp_compile.debug.dump(DIR) writes each compiled graph.",
+        f"the sharded unit(s) {', '.join(repr(u or '(root)') for u in units)}"
+        + (f", because of a guard on sharding state ({guard[:200]})" if guard else "")
+        + ". Expected after the first switch of a set_requires_gradient_sync / set_requires_all_reduce / "
+        "set_reshard_after_* mode; otherwise TORCH_LOGS=recompiles shows every guard that failed, and "
+        "fsdp_compile.debug.dump(DIR) writes each compiled graph.",
         stacklevel=2,
     )
+
+
+def _guard_on_sharding_state(guard: str) -> bool:
+    """Whether a failed guard (Dynamo's line: the guard, then ``folder/file.py:line`` of the
+    code that made it) is on our units' state: an attribute of ours, or made by a file of
+    this package; an unreadable reason counts as ours."""
+    if "Unable to find recompilation reasons" in guard or "._fsdp_" in guard:
+        return True
+    return _library_files_pattern().search(guard) is not None
+
+
+@functools.cache
+def _library_files_pattern() -> re.Pattern:
+    """``folder/file.py`` of every module of this package (as Dynamo names a guard's code),
+    not as the tail of a longer folder name (torch's ``fx_passes/bucketing.py``)."""
+    import fsdp_compile
+    import fsdp_compile.passes
+    import fsdp_compile.runtime
+
+    names = []
+    for package in (fsdp_compile, fsdp_compile.passes, fsdp_compile.runtime):
+        folder = os.path.dirname(os.path.abspath(package.__file__))
+        names += [f"{os.path.basename(folder)}/{f}" for f in os.listdir(folder) if f.endswith(".py")]
+    return re.compile(r"(?<![\w.])(?:" + "|".join(re.escape(n) for n in sorted(names)) + r"):\d+")
 
 
 class _ChainedJointPass:
@@ -195,7 +232,6 @@ class FSDPPostGradPass(CustomGraphPass):
         fsdp_post_grad_pass(graph)
 
     def uuid(self):
-        import os
 
         # Our passes, and the runtime whose gather op AOTAutograd decomposes: its cache
         # keys the graph Dynamo built, where that op is one opaque node.

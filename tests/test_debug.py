@@ -295,8 +295,64 @@ def test_graph_break_and_recompile_warnings_name_the_unit(pool2):
     eager = pool2.run(warnings_from_eager_gather)[0]
     eager = [m for m in eager if "graph break inside the sharded forward" in m]
     assert any("unit 'b'" in m and "'b.weight'" in m for m in eager), eager
-    recompiles = [m for m in messages if "recompiling a graph" in m]
-    assert recompiles and "TORCH_LOGS=recompiles" in recompiles[0]
+
+def recompile_warnings() -> dict[str, list[str]]:
+    """Our recompile warnings, per cause, for a compiled sharded model (aot_eager): the
+    model's own guards (eval and no_grad, a new batch size, a module attribute read in the
+    forward, as a transformers layer reads its ``layer_idx``), then sharding state (the
+    first ``set_requires_gradient_sync(False)`` step)."""
+    import warnings
+
+    from fsdp_compile import fully_shard
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.factor = nn.Linear(4, 4), 1
+
+        def forward(self, x):
+            return self.lin(x) * self.factor
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(), nn.ReLU(), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    out = {}
+
+    def step(x):
+        compiled(x).sum().backward()
+
+    def caught_by(name, fn):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+        out[name] = [str(w.message) for w in caught if "recompiling a graph" in str(w.message)]
+
+    caught_by("first", lambda: step(torch.randn(2, 4)))
+    model.eval()
+    with torch.no_grad():
+        caught_by("eval", lambda: compiled(torch.randn(2, 4)))
+    model.train()
+    caught_by("batch size", lambda: step(torch.randn(3, 4)))
+    model[0].factor = 2
+    caught_by("module attribute", lambda: step(torch.randn(3, 4)))
+    model.set_requires_gradient_sync(False)
+    caught_by("gradient sync off", lambda: step(torch.randn(3, 4)))
+    return out
+
+
+def test_recompile_warning_only_for_a_guard_on_sharding_state(pool2):
+    """Recompiles the unsharded model (and FSDP2's) would have too are Dynamo's to report
+    (accelerate's regional compile recompiles each transformers layer on its ``layer_idx``):
+    no warning of ours; a guard on our units' state gets one that names the guard."""
+    warned = pool2.run(recompile_warnings)[0]
+    for cause in ("first", "eval", "batch size", "module attribute"):
+        assert warned[cause] == [], (cause, warned[cause])
+    assert len(warned["gradient sync off"]) == 1, warned
+    message = warned["gradient sync off"][0]
+    assert "because of a guard on sharding state" in message and "TORCH_LOGS=recompiles" in message, message
 
 
 def test_another_models_graph_break_is_not_blamed_on_our_units(pool2):

@@ -5,7 +5,9 @@ torch's FSDP2 when only the name they call is switched, as README.md documents
 - accelerate's FSDP2 plugin: ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
   fsdp_version=2, auto_wrap_policy="transformer_based_wrap"))``, ``accelerator.prepare(model,
   optimizer)`` (which shards each decoder layer, the embedding, ``[norm, lm_head]`` and the
-  root), three AdamW steps with ``accelerator.backward``, eager;
+  root), three AdamW steps with ``accelerator.backward``, eager, and compiled by accelerate's dynamo
+  plugin before sharding (``aot_eager``; the whole model, or each layer with
+  ``use_regional_compilation``), where ours must also warn about nothing;
 - ``transformers.Trainer`` with ``fsdp=True, fsdp_config={"version": 2, ...}``, three steps
   (``max_steps=3``: AdamW, constant learning rate, gradient clipping at 1.0) over a tiny
   in-memory dataset, ``use_cpu=True``, no saving, no reporting.
@@ -138,17 +140,32 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 # ---------------------------------------------------------------- on every rank
 
 
-def train_accelerate(kind: str) -> dict:
+def train_accelerate(kind: str, compiled: str | None = None) -> dict:
     """Three AdamW steps of the tiny Llama prepared by accelerate's FSDP2 plugin, with
-    torch's ``fully_shard`` (``kind == "fsdp2"``) or ours (``"ours"``)."""
+    torch's ``fully_shard`` (``kind == "fsdp2"``) or ours (``"ours"``); with ``compiled``,
+    accelerate's dynamo plugin compiles it (``aot_eager``) before sharding: ``"model"``,
+    its default (the whole model), or ``"regional"`` (``use_regional_compilation``: each
+    decoder layer, in place). Also returns our warnings."""
+    import warnings
+
+    import torch._dynamo.config as dynamo_config
     import torch.distributed as dist
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import TorchDynamoPlugin
 
     from fsdp_compile.testing import full_parameters
 
-    with _clean_process(kind), _fsdp_on_cpu():
+    torch._dynamo.reset()
+    with (
+        _clean_process(kind),
+        _fsdp_on_cpu(),
+        dynamo_config.patch(),  # restores what accelerate's regional path sets
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        dynamo = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=compiled == "regional") if compiled else None
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, dynamo_plugin=dynamo)
         assert accelerator.is_fsdp2, accelerator.distributed_type
         model = tiny_llama()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -162,7 +179,8 @@ def train_accelerate(kind: str) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        return {"losses": losses, "params": full_parameters(model), **_sharding(model)}
+        ours_warnings = [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]
+        return {"losses": losses, "params": full_parameters(model), **_sharding(model), "warnings": ours_warnings}
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -226,7 +244,7 @@ def _assert_same_training(expected: list[dict], got: list[dict]) -> None:
         assert len(e["losses"]) == STEPS, e["losses"]
         assert g["losses"] == e["losses"], f"rank {rank}"
         assert e["fsdp2"] == g["fsdp2"], f"rank {rank}: the stack sharded other modules"
-        assert "" in e["fsdp2"] and "model.layers.0" in e["fsdp2"], e["fsdp2"]
+        assert "" in e["fsdp2"] and {"model.layers.0", "_orig_mod.model.layers.0"} & set(e["fsdp2"]), e["fsdp2"]
         assert e["ours"] == [], "torch's run used ours"
         assert g["ours"] == g["fsdp2"], "not every unit of our run is ours"
         assert e["params"].keys() == g["params"].keys()
@@ -238,6 +256,17 @@ def test_accelerate_fsdp2_plugin_trains_as_with_fsdp2(pool2):
     expected = pool2.run(train_accelerate, "fsdp2")
     got = pool2.run(train_accelerate, "ours")
     _assert_same_training(expected, got)
+
+
+@pytest.mark.parametrize("compiled", ["model", "regional"])
+def test_accelerate_dynamo_plugin_compiles_as_with_fsdp2(pool2, compiled):
+    """accelerate's dynamo plugin (``aot_eager``: eager's arithmetic) compiling the model
+    before its FSDP2 plugin shards it, whole or per decoder layer: ours trains bitwise as
+    FSDP2 compiled the same way, and warns about nothing."""
+    expected = pool2.run(train_accelerate, "fsdp2", compiled)
+    got = pool2.run(train_accelerate, "ours", compiled)
+    _assert_same_training(expected, got)
+    assert [r["warnings"] for r in got] == [[], []], got[0]["warnings"]
 
 
 def test_transformers_trainer_fsdp2_trains_as_with_fsdp2(pool2, tmp_path):

@@ -310,6 +310,16 @@ def current_compile_attempt() -> tuple[int, int] | None:
     return compile_id.frame_id, compile_id.frame_compile_id
 
 
+def current_recompile_reason() -> str | None:
+    """torch/_dynamo/convert_frame.py: the first guard failure that made Dynamo compile the
+    frame it is compiling again (its ``recompile_reason`` metric); ``None`` when none is
+    recorded (a first compile)."""
+    from torch._dynamo.utils import get_metrics_context
+
+    context = get_metrics_context()
+    return context._metrics.get("recompile_reason") if context.in_progress() else None
+
+
 def dynamo_graph_break_counts() -> dict[str, int]:
     """torch/_dynamo/utils.py: graph breaks so far in this process, by reason."""
     from torch._dynamo.utils import counters
