@@ -189,7 +189,8 @@ def gradient_reduction(
             return GradientReduction("avg", "avg")
         if factor == shard_size:
             return GradientReduction("avg", "sum")
-        return GradientReduction("sum", "sum", premultiply=1.0 / factor)
+        # A factor of 1 (torchtitan's: sums) multiplies by nothing: x * 1.0 is x, bit for bit.
+        return GradientReduction("sum", "sum", premultiply=None if factor == 1 else 1.0 / factor)
     factor = float(shard_size * replicate_size) if factor is None else float(factor)
     pre = 1
     if overflow_risk:

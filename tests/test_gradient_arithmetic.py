@@ -31,7 +31,8 @@ class _Group:
 
 
 def _torchs(reduce_dtype, shard: int, replicas: int, factor, force_sum: bool) -> tuple:
-    """torch's ``_get_gradient_divide_factors`` as (rs op, ar op, premultiply, pre, post)."""
+    """torch's ``_get_gradient_divide_factors`` as (rs op, ar op, premultiply, pre, post); a
+    ``PREMUL_SUM`` by 1 (factor 1.0) is a sum, as ours does it (x * 1.0 is x, bit for bit)."""
     from torch.distributed import ReduceOp
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
@@ -41,7 +42,7 @@ def _torchs(reduce_dtype, shard: int, replicas: int, factor, force_sum: bool) ->
     names = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg"}
     premultiply = None
     if rs_op not in names:  # PREMUL_SUM(1 / factor)
-        rs_op, premultiply = ReduceOp.SUM, 1.0 / factor
+        rs_op, premultiply = ReduceOp.SUM, (None if factor == 1 else 1.0 / factor)
     norm = lambda x: None if x is None or x == 1 else float(x)  # noqa: E731
     return names[rs_op], names[ar_op], premultiply, norm(pre), norm(post)
 
