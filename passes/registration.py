@@ -201,13 +201,18 @@ def _guard_on_sharding_state(guard: str) -> bool:
 def _library_files_pattern() -> re.Pattern:
     """``folder/file.py`` of every module of this package (as Dynamo names a guard's code),
     not as the tail of a longer folder name (torch's ``fx_passes/bucketing.py``)."""
-    import fsdp_compile
-    import fsdp_compile.passes
+    import fsdp_compile.base
     import fsdp_compile.runtime
 
+    base = os.path.dirname(os.path.abspath(fsdp_compile.base.__file__))
+    folders = (
+        os.path.dirname(base),
+        base,
+        os.path.dirname(os.path.abspath(__file__)),
+        os.path.dirname(os.path.abspath(fsdp_compile.runtime.__file__)),
+    )
     names = []
-    for package in (fsdp_compile, fsdp_compile.passes, fsdp_compile.runtime):
-        folder = os.path.dirname(os.path.abspath(package.__file__))
+    for folder in folders:  # the front end's, the base's, ours, the runtime's
         names += [f"{os.path.basename(folder)}/{f}" for f in os.listdir(folder) if f.endswith(".py")]
     return re.compile(r"(?<![\w.])(?:" + "|".join(re.escape(n) for n in sorted(names)) + r"):\d+")
 
