@@ -178,9 +178,12 @@ OURS = ["ours-eager", "ours-aot_eager", "ours-inductor"]
 CASES = {
     # model: (variants, train/eval switch)
     "mlp": (["reference", *OURS, "fsdp2"], False),
-    # Inductor with config.gloo_all_to_all (the default: "ours-inductor" is this run) and
-    # without it, for test_gloo_all_to_all_is_bitwise_equal_to_gloos_own_collectives.
-    "llama": (["reference", "ours-eager", "ours-aot_eager", "ours-inductor-a2a", "ours-inductor-gloo", "fsdp2"], False),
+    # Inductor with config.gloo_all_to_all (the default: "ours-inductor" is this run), and our
+    # passes with and without it, for test_gloo_all_to_all_is_bitwise_equal_to_gloos_own_collectives.
+    "llama": (
+        ["reference", "ours-eager", "ours-aot_eager", "ours-inductor-a2a", "ours-aot_eager_passes-a2a", "ours-aot_eager_passes-gloo", "fsdp2"],
+        False,
+    ),
     "llama_tied_across_units": (["reference", "ours-eager", "ours-aot_eager"], False),
     "zoo": (["reference", *OURS], True),
 }
@@ -230,17 +233,20 @@ def _assert_records_equal(a: dict, b: dict, *, exact: bool, rtol=1e-5, atol=1e-6
 
 def test_gloo_all_to_all_is_bitwise_equal_to_gloos_own_collectives(pool2):
     """``config.gloo_all_to_all`` (the default) on 2 ranks against gloo's own all-gather and
-    reduce-scatter: the same compiled arithmetic (a reduce-scatter sums two slices, and
-    a + b is b + a), so the same losses and parameters, bit for bit, over 3 steps, in one graph."""
+    reduce-scatter, through our passes (``aot_eager_passes``): the same arithmetic (a
+    reduce-scatter sums two slices, and a + b is b + a), so the same losses and parameters,
+    bit for bit, over 3 steps; and in Inductor's code of the default run, in one graph,
+    every all-gather and reduce-scatter is an all-to-all."""
     result = _results_of(pool2, "llama")  # rank 1's records are checked equal to rank 0's there
-    _assert_records_equal(
-        result["ours-inductor-a2a"], result["ours-inductor-gloo"], exact=True, what="all-to-all vs gloo's collectives"
-    )
-    assert result["ours-inductor-a2a"]["frames"] == 1
-    # In the compiled code, every all-gather and reduce-scatter is an all-to-all.
-    lowered, default = result["ours-inductor-a2a"]["collectives"], result["ours-inductor-gloo"]["collectives"]
+    lowered, default = result["ours-aot_eager_passes-a2a"], result["ours-aot_eager_passes-gloo"]
+    _assert_records_equal(lowered, default, exact=True, what="all-to-all vs gloo's collectives")
+    lowered, default = lowered["collectives"], default["collectives"]
     assert default["all_to_all_single"] == lowered["all_gather_into_tensor"] == lowered["reduce_scatter_tensor"] == 0
     assert lowered["all_to_all_single"] == default["all_gather_into_tensor"] + default["reduce_scatter_tensor"] > 0
+    inductor = result["ours-inductor-a2a"]
+    assert inductor["frames"] == 1
+    assert inductor["collectives"]["all_gather_into_tensor"] == inductor["collectives"]["reduce_scatter_tensor"] == 0
+    assert inductor["collectives"]["all_to_all_single"] == lowered["all_to_all_single"]
 
 
 @pytest.mark.parametrize("results", list(CASES), indirect=True)
