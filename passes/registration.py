@@ -237,7 +237,6 @@ class FSDPPostGradPass(CustomGraphPass):
         fsdp_post_grad_pass(graph)
 
     def uuid(self):
-
         # Our passes, and the runtime whose gather op AOTAutograd decomposes: its cache
         # keys the graph Dynamo built, where that op is one opaque node.
         import fsdp_compile.runtime
