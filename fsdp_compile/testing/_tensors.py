@@ -71,22 +71,23 @@ def _scattered_over_a_gloo_world(t: DTensor) -> torch.Tensor | None:
     sizes = torch.empty(dist.get_world_size(), dtype=torch.int64)
     dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()]))
     width = int(sizes.max())
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:  # every rank's x, zero-padded to ``width``
+        sent = x.new_zeros(width)
+        sent[: x.numel()] = x
+        out = x.new_empty(width * sizes.numel())
+        dist.all_gather_into_tensor(out, sent)
+        return out
+
     values = as_movable(local.detach().contiguous().reshape(-1))
-    sent_values = values.new_zeros(width)
-    sent_values[: values.numel()] = values
-    sent_positions = mine.new_zeros(width)
-    sent_positions[: mine.numel()] = mine
-    all_values = values.new_empty(width * sizes.numel())
-    all_positions = mine.new_empty(width * sizes.numel())
-    dist.all_gather_into_tensor(all_values, sent_values)
-    dist.all_gather_into_tensor(all_positions, sent_positions)
+    all_values, all_positions = gathered(values), gathered(mine)
     whole, covered = values.new_empty(t.numel()), torch.zeros(t.numel(), dtype=torch.bool)
     for rank, size in enumerate(sizes.tolist()):
         start = rank * width
         whole[all_positions[start : start + size]] = all_values[start : start + size]
         covered[all_positions[start : start + size]] = True
     assert bool(covered.all()), f"full_tensor: the ranks' shards of a {tuple(t.shape)} tensor leave elements out"
-    return whole.view(local.dtype).view(t.shape) if values.dtype != local.dtype else whole.view(t.shape)
+    return whole.view(local.dtype).view(t.shape)  # (float8 moved as its bytes)
 
 
 def _wrapper_gathered(local, shape, group, size) -> torch.Tensor | None:
