@@ -67,6 +67,7 @@ log = logging.getLogger("fsdp_compile.passes.bucketing")
 
 ALL_GATHER_COPY_IN = torch.ops.fsdp_compile.all_gather_copy_in.default
 ALL_GATHER_COPY_OUT = torch.ops.fsdp_compile.all_gather_copy_out.default
+SUM_RECEIVED_SLICES = torch.ops.fsdp_compile.sum_received_slices.default
 REDUCE_SCATTER_COPY_IN = torch.ops.fsdp_compile.reduce_scatter_copy_in.default
 PAD_DIM0 = torch.ops.fsdp_compile.pad_dim0.default
 

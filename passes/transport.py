@@ -18,7 +18,9 @@ destination its slice directly, so both are lowered to it (measured:
 * reduce-scatter of ``g`` (``[w * r, ...]``) becomes an all-to-all of ``g`` (slice
   ``k`` goes to rank ``k``): the output holds the ``w`` ranks' slices for this
   rank, ``[w, r, ...]``, summed over the first dimension after the wait (and
-  divided by ``w`` for ``avg``).
+  divided by ``w`` for ``avg``) by one opaque op, ``fsdp_compile::sum_received_slices``.
+  An all-gather input that is not a bucket's copy-in is repeated by the copy-in op
+  (one member): traced, either was a C++ kernel to compile per size.
 
 On by default: ``fsdp_compile.config.gloo_all_to_all``; only compiled graphs (Inductor's
 post-grad passes) and only groups whose backend is gloo. Runs after bucketing
@@ -32,7 +34,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT
+from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN, ALL_GATHER_COPY_OUT, SUM_RECEIVED_SLICES
 from fsdp_compile.passes.graph_utils import emit
 from fsdp_compile.runtime.vocabulary import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, aten, our_collectives, tag_of, val
 
@@ -103,9 +105,11 @@ def _lower_all_gather(graph: fx.Graph, issue: fx.Node, wait: fx.Node, own_rank: 
         with graph.inserting_before(copy_in):
             repeated = emit(graph, ALL_GATHER_COPY_IN, (*copy_in.args, copies))
         repeated.meta.update({key: value for key, value in copy_in.meta.items() if key != "val"})
-    else:
+    else:  # one copy-in of the shard alone, as a view of the shape the all-to-all splits
+        numel = val(shard).numel()
         with graph.inserting_before(issue):
-            repeated = emit(graph, aten.repeat.default, (shard, [world_size] + [1] * (len(shape) - 1)))
+            flat = emit(graph, ALL_GATHER_COPY_IN, ([shard], [numel], world_size))
+            repeated = emit(graph, aten.view.default, (flat, [world_size * shape[0], *shape[1:]]))
     with graph.inserting_before(issue):
         new = _all_to_all(graph, issue, repeated, shape[0], world_size, group_name, own_rank)
     issue.replace_all_uses_with(new)
@@ -139,11 +143,6 @@ def _lower_reduce_scatter(graph: fx.Graph, issue: fx.Node, wait: fx.Node) -> Non
     wait.meta["val"] = val(new)
     readers = list(wait.users)
     with graph.inserting_after(wait):
-        slices = emit(graph, aten.view.default, (wait, [world_size, rows, *shape[1:]]))
-    with graph.inserting_after(slices):
-        reduced = emit(graph, aten.sum.dim_IntList, (slices, [0]))
-    if reduce_op == "avg":
-        with graph.inserting_after(reduced):
-            reduced = emit(graph, aten.div.Tensor, (reduced, world_size))
+        reduced = emit(graph, SUM_RECEIVED_SLICES, (wait, world_size, reduce_op == "avg"))
     for reader in readers:
         reader.replace_input_with(wait, reduced)

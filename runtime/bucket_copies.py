@@ -22,6 +22,10 @@ on a 4-layer Llama that doubled the step's kernels and added ~20 s to a cold com
 (more than the unsharded model's whole C++ compile). One extern op copies every member
 with ``split_with_sizes_copy``, as FSDP2's copy-out does.
 
+Why the all-to-all transport's reduction is an op
+(``sum_received_slices``): traced, its ``sum`` over the ranks' slices was one more C++
+kernel per bucket size for Inductor to compile.
+
 Each writes every byte once, zero padding of uneven shards included (the
 traced per-parameter padding ``cat`` is folded in; see
 ``fsdp_compile.passes.bucketing``).
@@ -119,6 +123,20 @@ def _chunked_width(grad: torch.Tensor, world_size: int) -> int:
     """Elements of one ``torch.chunk`` block of ``grad`` along dim 0 (the first, padded)."""
     rows_per_rank = -(-grad.shape[0] // world_size)
     return rows_per_rank * (grad.numel() // grad.shape[0])
+
+
+def _sum_received_slices_fake(received, world_size, average):
+    return received.new_empty((received.shape[0] // world_size, *received.shape[1:]))
+
+
+@_op("sum_received_slices(Tensor received, SymInt world_size, bool average) -> Tensor", _sum_received_slices_fake)
+def sum_received_slices(received: torch.Tensor, world_size: int, average: bool) -> torch.Tensor:
+    """A reduce-scatter's result from the all-to-all that replaced it: ``received`` is
+    ``world_size`` ranks' slices for this rank, stacked along dim 0; their sum over the
+    ranks, in rank order (divided by ``world_size`` where ``average``). One op rather
+    than a traced ``sum``: Inductor generated a C++ kernel for each bucket size."""
+    reduced = received.view(world_size, received.shape[0] // world_size, *received.shape[1:]).sum(0)
+    return reduced.div_(world_size) if average else reduced
 
 
 def _all_gather_copy_out_fake(gathered, padded_numels, world_size, own=None, own_rank=-1):

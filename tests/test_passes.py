@@ -687,6 +687,7 @@ def _run_as_rank_0_of_identical_ranks(gm: fx.GraphModule, *inputs):
 
 @pytest.mark.parametrize("reduce_op", ["avg", "sum"])
 def test_gloo_transport_lowers_both_collectives_to_all_to_alls_with_the_same_values(reduce_op):
+    from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN, SUM_RECEIVED_SLICES
     from fsdp_compile.passes.transport import lower_to_all_to_all
     from fsdp_compile.runtime.vocabulary import ALL_TO_ALL, tag_of
 
@@ -708,15 +709,35 @@ def test_gloo_transport_lowers_both_collectives_to_all_to_alls_with_the_same_val
         ALL_TO_ALL,
         c10d_functional.wait_tensor.default,
     }
-    # The all-gather sends its shard to both ranks; the reduce-scatter's slices are summed after the wait.
-    assert gather.input.target is aten.repeat.default and gather.issue.args[1:3] == ([2, 2], [2, 2])
+    # The all-gather sends its shard to both ranks (written by the copy-in op, no traced
+    # repeat); the reduce-scatter's slices are summed after the wait by one op (no traced
+    # sum): each traced op was a C++ kernel of its own to compile.
+    assert _is_repeated_by_copy_in(gather.input, 2) and gather.issue.args[1:3] == ([2, 2], [2, 2])
     assert reduce.issue.args[1:3] == ([2, 2], [2, 2])
-    (view,) = reduce.wait.users
-    (summed,) = view.users
-    assert summed.target is aten.sum.dim_IntList and tuple(summed.meta["val"].shape) == (2, 3)
-    assert all(tag_of(n) is None for n in (gather.input, view, summed))
+    (summed,) = reduce.wait.users
+    assert summed.target is SUM_RECEIVED_SLICES and summed.args == (reduce.wait, 2, reduce_op == "avg")
+    assert tuple(summed.meta["val"].shape) == (2, 3)
+    assert all(tag_of(n) is None for n in (gather.input, gather.input.args[0], summed))
+    traced = {aten.repeat.default, aten.sum.dim_IntList, aten.div.Tensor}
+    assert not any(n.target in traced for n in gm.graph.nodes), gm.code
+    assert sum(n.target is ALL_GATHER_COPY_IN for n in gm.graph.nodes) == 1
     for got, want in zip(_run_as_rank_0_of_identical_ranks(gm, *inputs), before, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _is_repeated_by_copy_in(node: fx.Node, copies: int, source: fx.Node | None = None) -> bool:
+    """``node`` is a view of the copy-in op writing ``copies`` copies of one tensor
+    (``source``, where given): the gloo transport's repeat of an all-gather input."""
+    from fsdp_compile.passes.bucketing import ALL_GATHER_COPY_IN
+
+    copy_in = node.args[0] if node.target is aten.view.default else None
+    return (
+        copy_in is not None
+        and copy_in.target is ALL_GATHER_COPY_IN
+        and len(copy_in.args[0]) == 1
+        and copy_in.args[2] == copies
+        and (source is None or copy_in.args[0][0] is source)
+    )
 
 
 def _bucketed_gather_graph(extra_reader: bool, world_size: int = 2) -> fx.GraphModule:
@@ -763,11 +784,11 @@ def test_gloo_transport_has_a_bucket_copy_in_write_one_copy_per_rank(extra_reade
     gm.recompile()
     (gather,) = our_collectives(gm.graph)
     copy_ins = [n for n in gm.graph.nodes if n.target is ALL_GATHER_COPY_IN]
-    assert len(copy_ins) == 1
-    if extra_reader:
-        assert gather.input.target is aten.repeat.default and gather.input.args[0] is copy_ins[0]
-        assert copy_ins[0].args[2:] == ()
+    if extra_reader:  # the bucket's copy-in, then a copy-in op repeating it
+        assert len(copy_ins) == 2 and copy_ins[0].args[2:] == ()
+        assert _is_repeated_by_copy_in(gather.input, 2, source=copy_ins[0])
     else:
+        assert len(copy_ins) == 1
         assert gather.input is copy_ins[0] and copy_ins[0].args[2] == 2
         assert tuple(gather.input.meta["val"].shape) == (24,) and gather.issue.args[1:3] == ([12, 12], [12, 12])
         assert tag_of(gather.input) == gather.tag
@@ -805,7 +826,7 @@ def test_gloo_transport_sends_a_rank_nothing_of_its_own(world_size, rank):
     gm = _bucketed_gather_graph(True, world_size)
     assert lower_to_all_to_all(gm.graph, lambda group: True, lambda group: rank) == 1
     (gather,) = our_collectives(gm.graph)
-    assert gather.issue.args[1] == [12] * world_size and gather.input.target is aten.repeat.default
+    assert gather.issue.args[1] == [12] * world_size and _is_repeated_by_copy_in(gather.input, world_size)
 
 
 def test_gloo_transport_leaves_other_groups_and_collectives_alone():
