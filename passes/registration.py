@@ -17,6 +17,7 @@ passes run under Inductor only; ``aot_eager`` runs the traced graph as is.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -35,7 +36,6 @@ from fsdp_compile.base.compat import (
     get_post_grad_custom_post_pass,
     group_backend,
     group_rank,
-    hash_of_files,
     register_torch_log,
     set_joint_custom_pass,
     set_post_grad_custom_post_pass,
@@ -237,14 +237,26 @@ class FSDPPostGradPass(CustomGraphPass):
         fsdp_post_grad_pass(graph)
 
     def uuid(self):
-        # Our passes, and the runtime whose gather op AOTAutograd decomposes: its cache
-        # keys the graph Dynamo built, where that op is one opaque node.
-        import fsdp_compile.runtime
+        settings = repr(sorted(config.snapshot().items())) + _rank_if_graphs_are_per_rank()
+        return hashlib.sha256(_digest_of_sources() + settings.encode()).digest()
 
-        here = os.path.dirname(__file__)
-        runtime = os.path.dirname(fsdp_compile.runtime.__file__)
-        files = tuple(sorted(os.path.join(d, f) for d in (here, runtime) for f in os.listdir(d) if f.endswith(".py")))
-        return hash_of_files(files, repr(sorted(config.snapshot().items())) + _rank_if_graphs_are_per_rank())
+
+@functools.cache
+def _digest_of_sources() -> bytes:
+    """SHA-256 of our passes' and runtime's source files (the runtime's ops are opaque
+    nodes in the graphs Inductor caches), read once per process, when this module is
+    imported (below), with the code it loads. Read at each compile, as it was, the key
+    followed the files rather than the code that ran: edited while a job ran, the
+    job's ranks stored the old code's graphs under the new code's key, and the next run
+    loaded them as its own."""
+    import fsdp_compile.runtime
+
+    digest = hashlib.sha256()
+    for directory in (os.path.dirname(__file__), os.path.dirname(fsdp_compile.runtime.__file__)):
+        for name in sorted(f for f in os.listdir(directory) if f.endswith(".py")):
+            with open(os.path.join(directory, name), "rb") as source:
+                digest.update(name.encode() + b"\0" + source.read())
+    return digest.digest()
 
 
 def _rank_if_graphs_are_per_rank() -> str:
@@ -258,6 +270,7 @@ def _rank_if_graphs_are_per_rank() -> str:
     return f" rank {dist.get_rank()}"
 
 
+_digest_of_sources()  # now, with the code this process loaded
 _POST_GRAD_PASS = FSDPPostGradPass()
 #: Whether the once-per-process part of :func:`install_passes` ran.
 _log_and_dump_set_up = False

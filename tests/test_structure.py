@@ -449,6 +449,34 @@ def test_ranks_do_not_share_cache_entries_where_the_gloo_transport_makes_graphs_
         assert pass_.uuid() == without
 
 
+def test_the_cache_key_is_the_loaded_codes_not_the_files():
+    """Our pass's cache uuid hashes the passes' and runtime's sources as read when the
+    process loaded them: a process whose first compile comes after its code was edited
+    (a job running while its code changes) keys its graphs with the code it runs. It
+    read the files at the first compile, and a test run's ranks, started before an
+    edit, stored old graphs under the new code's key, which a later run then loaded as
+    its own. In a fresh process: once the package is imported, computing the key reads
+    no source file."""
+    import subprocess
+    import sys
+
+    probe = """
+import builtins
+from fsdp_compile.passes.registration import FSDPPostGradPass
+real_open = builtins.open
+def edited_sources(path, *args, **kwargs):
+    if str(path).endswith(".py"):
+        raise AssertionError(f"the cache key read {path} after the code was loaded")
+    return real_open(path, *args, **kwargs)
+builtins.open = edited_sources
+key = FSDPPostGradPass().uuid()
+builtins.open = real_open
+assert FSDPPostGradPass().uuid() == key
+"""
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_a_later_prefetch_hint_replaces_the_earlier(fake_pg):
     """As in FSDP2, ``set_modules_to_forward_prefetch`` sets the list: a unit left out of a
     later call is no longer prefetched by this one (nor tagged so for the passes)."""
