@@ -239,3 +239,51 @@ def test_our_units_are_torchs_fsdp_modules_and_refuse_its_internals():
     assert issubclass(FSDPModule, TorchFSDPModule)
     with pytest.raises(RuntimeError, match="no FSDP2 internal state"):
         FSDPModule._get_fsdp_state(nn.Linear(2, 2))
+
+
+def outputs_after_loading_weights(kind: str) -> dict:
+    """For each way a step can leave parameters (gathered by a forward that keeps them,
+    ``reshard_after_forward=False``, with and without gradients; held by ``unshard()``;
+    resharded), new weights loaded in place or by ``assign=True``, then a forward: its
+    outputs, three loads in a row."""
+    import itertools
+
+    fully_shard = fully_shard_of(kind)
+    x = torch.ones(2, 8)
+    results = {}
+    for reshard, grad, before_load, assign in itertools.product(
+        (False, True), (False, True), ("nothing", "reshard", "unshard"), (False, True)
+    ):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4))
+        fully_shard(model[0], reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        outputs = []
+        for version in (1, 2, 3):
+            with torch.set_grad_enabled(grad):
+                out = model(x)
+            if grad:
+                out.sum().backward()
+            if before_load != "nothing":
+                getattr(model, before_load)()
+            state = {name: torch.full_like(t, float(version)) for name, t in model.state_dict().items()}
+            model.load_state_dict(state, assign=assign)
+            with torch.no_grad():
+                outputs.append(model(x))
+        results[(reshard, grad, before_load, assign)] = torch.stack(outputs)
+    return results
+
+
+def test_weights_loaded_after_a_step_are_what_the_next_forward_reads(pool2):
+    """``load_state_dict`` (in place or ``assign=True``) after a forward that kept its
+    parameters gathered, after ``unshard()`` or after ``reshard()``: the next forward
+    computes with the loaded weights, FSDP2's outputs exactly (a gathered copy read
+    instead would be a silent wrong result)."""
+    fsdp2 = pool2.run(outputs_after_loading_weights, "fsdp2")
+    ours = pool2.run(outputs_after_loading_weights, "ours")
+    for rank in range(2):
+        assert ours[rank].keys() == fsdp2[rank].keys()
+        for case, expected in fsdp2[rank].items():
+            torch.testing.assert_close(ours[rank][case], expected, rtol=0, atol=0, msg=lambda m, c=case: f"{c}: {m}")
+        # the loaded weights, not the first ones: 8 inputs of 1 times v, plus v, through two layers
+        torch.testing.assert_close(fsdp2[rank][(True, True, "nothing", False)][:, 0, 0], torch.tensor([37.0, 146.0, 327.0]))
