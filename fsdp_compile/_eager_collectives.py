@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_compile.base.compat import NO_ANNOTATION, annotating, c10d_functional, fx_annotate
-from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in
+from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in, sum_received_slices
 from fsdp_compile.runtime.collectives import (
     CollectiveSpec,
     ShardLayout,
-    add_reduce_scatter_halves,
     as_movable,
     issue_all_gather,
     issue_all_reduce,
@@ -112,7 +111,7 @@ class ReduceScatterInFlight:
     def wait(self) -> list[torch.Tensor]:
         out = c10d_functional.wait_tensor(self.reduced)
         if self.halves_op is not None:
-            out = add_reduce_scatter_halves(out, self.halves_op)
+            out = sum_received_slices(out, 2, self.halves_op == "avg")
         shards, offset = [], 0
         for layout in self.layouts:
             width = layout.padded_numel

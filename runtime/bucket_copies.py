@@ -131,11 +131,16 @@ def _sum_received_slices_fake(received, world_size, average):
 
 @_op("sum_received_slices(Tensor received, SymInt world_size, bool average) -> Tensor", _sum_received_slices_fake)
 def sum_received_slices(received: torch.Tensor, world_size: int, average: bool) -> torch.Tensor:
-    """A reduce-scatter's result from the all-to-all that replaced it: ``received`` is
-    ``world_size`` ranks' slices for this rank, stacked along dim 0; their sum over the
-    ranks, in rank order (divided by ``world_size`` where ``average``). One op rather
-    than a traced ``sum``: Inductor generated a C++ kernel for each bucket size."""
-    reduced = received.view(world_size, received.shape[0] // world_size, *received.shape[1:]).sum(0)
+    """A reduce-scatter's result from the all-to-all that replaced it (compiled graphs'
+    gloo transport, and eager buckets over 2 gloo ranks): ``received`` is ``world_size``
+    ranks' slices for this rank, stacked along dim 0; their sum, added in rank order
+    (on 2 ranks one addition, gloo's own bits), then divided by ``world_size`` where
+    ``average``. One op rather than a traced ``sum``: Inductor generated a C++ kernel
+    for each bucket size."""
+    first, *others = received.view(world_size, received.shape[0] // world_size, *received.shape[1:]).unbind(0)
+    reduced = first + others[0] if others else first.clone()
+    for other in others[1:]:
+        reduced.add_(other)
     return reduced.div_(world_size) if average else reduced
 
 

@@ -241,9 +241,10 @@ def issue_reduce_scatter(full: torch.Tensor, reduce_op: str, world_size: int, gr
 
 def sums_reduce_scatter_here(full: torch.Tensor, reduce_op: str, world_size: int, group_name: str) -> bool:
     """Whether an eager reduce-scatter of ``full`` goes out as an all-to-all whose two
-    halves this rank then adds (:func:`issue_reduce_scatter_halves`,
-    :func:`add_reduce_scatter_halves`): with ``config.gloo_all_to_all``, a ``sum`` or
-    ``avg`` over a gloo group of 2 ranks, unless watched (below). gloo's own
+    halves this rank then adds (:func:`issue_reduce_scatter_halves`, then
+    ``bucket_copies.sum_received_slices``, as the compiled transport does): with
+    ``config.gloo_all_to_all``, a ``sum`` or ``avg`` over a gloo group of 2 ranks,
+    unless watched (below). gloo's own
     reduce-scatter copies the whole input and all-reduces it (twice the bytes, on gloo's
     thread); the all-to-all sends the other rank its half. The result is gloo's bit for
     bit: one addition of two values, which is commutative, then for ``avg`` gloo's
@@ -267,15 +268,6 @@ def issue_reduce_scatter_halves(full: torch.Tensor, group_name: str) -> torch.Te
     first, even rows) split in two along dim 0, half ``k`` sent to rank ``k``; the output
     (issued, not waited on) holds both ranks' halves for this rank, rank-major."""
     return issue_c10d_collective("all_to_all", torch.empty_like(full), full, group_name)
-
-
-def add_reduce_scatter_halves(halves: torch.Tensor, reduce_op: str) -> torch.Tensor:
-    """This rank's reduce-scatter output from the waited output of
-    :func:`issue_reduce_scatter_halves`: rank 0's half plus rank 1's (``avg``: halved
-    after, as gloo averages)."""
-    first, second = halves.chunk(2)
-    total = first + second
-    return total / 2 if reduce_op == "avg" else total
 
 
 def issue_all_reduce(t: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
