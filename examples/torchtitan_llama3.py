@@ -2,7 +2,7 @@
 ``fully_shard`` switched in by one line, against torch's FSDP2 in the same run.
 
     pip install torchtitan==0.3.0      # not a dependency of this project, not run by CI
-    python examples/torchtitan_llama3.py [--steps 5] [--compile none|model|blocks]
+    python examples/torchtitan_llama3.py [--steps 5] [--compile none|model|blocks] [--ac none|full|selective]
 
 On 2 CPU ranks (gloo, started here), for each of FSDP2 and ours: torchtitan's
 ``debugmodel`` (6 layers, dim 256, vocabulary 2048, flex attention) built on the meta
@@ -13,7 +13,9 @@ loop), materialized with ``to_empty`` and torchtitan's ``init_states``, then tra
 AdamW on random tokens (a different batch per rank), the loss summed over tokens and
 divided by the global token count, as torchtitan's trainer does. ``--compile model``:
 ``torch.compile`` of the whole model after sharding; ``blocks``: each block compiled
-before sharding (torchtitan's ``apply_compile`` order). Prints both losses per step and
+before sharding (torchtitan's ``apply_compile`` order). ``--ac full|selective``:
+torchtitan's own activation checkpointing (``FullAC`` / ``SelectiveAC``: each block in
+``checkpoint_wrapper``), applied first, as its trainer does. Prints both losses per step and
 the first step's time (each kind in new processes, from an empty Inductor cache), and
 fails if eager losses are not bitwise equal.
 
@@ -57,7 +59,7 @@ def _causal_sdpa_for_flex_attention() -> None:
     FlexAttention.compiled_flex_attn = staticmethod(causal_sdpa)
 
 
-def _build(kind: str, compile_mode: str):
+def _build(kind: str, compile_mode: str, ac: str = "none"):
     import torchtitan.distributed.fsdp as titan_fsdp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -71,6 +73,11 @@ def _build(kind: str, compile_mode: str):
     config = model_registry("debugmodel", attn_backend="flex").model
     with torch.device("meta"):
         model = config.build()
+    if ac != "none":
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        policy = FullAC if ac == "full" else SelectiveAC
+        policy(policy.Config()).apply(model)
     if compile_mode == "blocks":
         for layer_id, block in model.layers.named_children():
             model.layers.register_module(layer_id, torch.compile(block))
@@ -88,9 +95,9 @@ def _build(kind: str, compile_mode: str):
     return torch.compile(model) if compile_mode == "model" else model, model
 
 
-def _train(kind: str, compile_mode: str, steps: int) -> dict:
+def _train(kind: str, compile_mode: str, steps: int, ac: str = "none") -> dict:
     torch._dynamo.reset()
-    run, model = _build(kind, compile_mode)
+    run, model = _build(kind, compile_mode, ac)
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4)
     losses, times = [], []
     for step in range(steps):
@@ -114,11 +121,11 @@ def _train(kind: str, compile_mode: str, steps: int) -> dict:
     return {"losses": losses, "first_step_s": times[0], "steady_s": sorted(times[1:])[len(times[1:]) // 2] if steps > 1 else None}
 
 
-def _rank_main(rank: int, port: int, kind: str, compile_mode: str, steps: int, queue) -> None:
+def _rank_main(rank: int, port: int, kind: str, compile_mode: str, steps: int, ac: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    result = _train(kind, compile_mode, steps)
+    result = _train(kind, compile_mode, steps, ac)
     if rank == 0:
         queue.put(result)
     dist.destroy_process_group()
@@ -128,6 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", choices=("none", "model", "blocks"), default="none")
+    p.add_argument("--ac", choices=("none", "full", "selective"), default="none")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
@@ -138,9 +146,9 @@ def main() -> None:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             queue = ctx.SimpleQueue()
             port = 29000 + (os.getpid() + i) % 1000
-            mp.start_processes(_rank_main, args=(port, kind, args.compile, args.steps, queue), nprocs=2, start_method="spawn")
+            mp.start_processes(_rank_main, args=(port, kind, args.compile, args.steps, args.ac, queue), nprocs=2, start_method="spawn")
             r[kind] = queue.get()
-    print(f"\ntorchtitan llama3 debugmodel, 2 gloo ranks, compile={args.compile}\n")
+    print(f"\ntorchtitan llama3 debugmodel, 2 gloo ranks, compile={args.compile}, ac={args.ac}\n")
     print("| step | FSDP2 loss | ours loss | difference |\n|---|---|---|---|")
     for step, (a, b) in enumerate(zip(r["fsdp2"]["losses"], r["ours"]["losses"], strict=True)):
         print(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")

@@ -15,6 +15,15 @@ and ``config.prefetch_depth`` / ``max_inflight_bytes`` bound the default prefetc
 as they bound compiled steps'. Everything
 here runs outside Dynamo (``torch.compiler.disable``).
 
+Activation checkpointing re-runs a unit's forward in backward, where no saved tensor
+holds its parameters: through the unit's hooks (composable ``checkpoint``, a
+checkpoint around the unit's call) or around them (``checkpoint_wrapper`` around the
+sharded module, a checkpoint inside its forward; see :func:`gather_for_recompute`).
+Either way the unit is gathered once per bucket, from what its forward kept if it does
+not reshard after forward, and the unit before it is prefetched, as FSDP2's
+pre-backward does; the reads carry the gradient to the shards, which a reentrant
+re-run's backward needs.
+
 What a step leaves in flight between calls (prefetched all-gathers, re-gather slots and
 prefetched re-gathers, deferred reduce-scatters) is kept per root, in the
 :class:`EagerState` every unit of one root shares (``FSDPUnit.eager``), as FSDP2 keeps
@@ -32,9 +41,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_compile._eager_buckets import (
+    bucket_fulls_with_grad,
     bucket_key,
     gather_bucket,
-    gather_bucket_without_autograd,
+    gather_bucket_raw_without_autograd,
     gather_extension_bucket,
     issue_bucket_gather,
     regather_key,
@@ -45,8 +55,14 @@ from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
 from fsdp_compile.base import config
-from fsdp_compile.base.compat import is_functorch_wrapper, outside_dispatch_modes, running_backward_id, saved_tensors_hooks_active
+from fsdp_compile.base.compat import (
+    is_functorch_wrapper,
+    outside_recompute_modes,
+    running_backward_id,
+    saved_tensors_hooks_active,
+)
 from fsdp_compile.base.execution_mode import ExecutionMode
+from fsdp_compile.runtime.collectives import gather_with_grad_sync
 from fsdp_compile.runtime.vocabulary import Role
 
 if TYPE_CHECKING:
@@ -74,7 +90,11 @@ def pre_forward(unit: FSDPUnit, mode: ExecutionMode, args, kwargs):
         state.drop_left_by_a_backward_that_raised()
     try:
         gather_unit(unit)
-        if not inside_compiled_call:
+        if inside_compiled_call:
+            pass
+        elif running_backward_id() is not None:  # activation checkpointing re-runs it in backward
+            prefetch_before_recompute(unit)
+        else:
             state.forward_prefetch.gathered(unit, state.forward_depth)
     except BaseException:
         post_forward(unit)
@@ -115,16 +135,43 @@ def gather_unit(unit: FSDPUnit) -> None:
     extension = [p for p in to_gather if p.extension]
     if len(extension) > 1:
         gather_extension_bucket(extension)
+    state = unit.eager
+    in_backward = running_backward_id() is not None  # an activation-checkpointing recompute
+    if in_backward:
+        state.entering_backward_of(unit, recompute=True)
     for key, bucket in _buckets(to_gather, bucket_key):
-        prefetched = unit.eager.forward_prefetch.take(bucket) if key is not None else None
+        if key is not None and in_backward:
+            for fsdp_param, full in zip(bucket, bucket_fulls_with_grad(bucket, kept=_backward_gather(bucket)), strict=True):
+                fsdp_param._note_gathered(full)
+            continue
+        prefetched = state.forward_prefetch.take(bucket) if key is not None else None
         if prefetched is not None or (key is not None and len(bucket) > 1):
             gather_bucket(bucket, prefetched)
         else:
             for fsdp_param in bucket:
                 owner, name = fsdp_param.owner
                 fsdp_param.gather(owner._parameters[name])
+    if not in_backward and torch.is_grad_enabled() and not unit.frees_gathered_after_forward():
+        _keep_for_backward(to_gather)
     if len(unit.modules) > 1:
         _keep_for_the_units_other_modules(unit)
+
+
+def _keep_for_backward(gathered: list[FSDPParam]) -> None:
+    """Keep what a forward gathered for a unit that does not reshard after forward, so
+    that a recompute of the unit in backward (activation checkpointing, which saves none
+    of it) reads it instead of gathering again, as FSDP2's unsharded parameters stay
+    until the unit's backward. Only trainable parameters read as gathered (a frozen one
+    would outlive a backward that reduces nothing); dropped when the root's backward
+    ends, or at the unit's next forward."""
+    state = gathered[0].unit.eager if gathered else None
+    for fsdp_param in gathered:
+        if (
+            fsdp_param.state is ParamState.GATHERED
+            and fsdp_param._reads_gathered_as_is
+            and fsdp_param.sharded_param.requires_grad
+        ):
+            state.forward_kept[fsdp_param] = fsdp_param.gathered.detach()
 
 
 def _keep_for_the_units_other_modules(unit: FSDPUnit) -> None:
@@ -190,6 +237,10 @@ class _ForwardPrefetch:
         self.on_track = False
         self.in_flight: list[_PrefetchedGather] = []
         self.forwards = 0  # outermost eager forwards so far (an id for the running one)
+        #: Units in the order of the last forward from each outermost unit, most recent last.
+        self.orders: dict[FSDPUnit, list[FSDPUnit]] = {}
+        #: Gathers issued in backward for the next activation-checkpointing recompute.
+        self.for_backward: list[_PrefetchedGather] = []
 
     def gathered(self, unit: FSDPUnit, depth: int) -> None:
         """``unit`` was gathered by an eager forward, ``depth`` deep in its root's running
@@ -214,26 +265,49 @@ class _ForwardPrefetch:
             upcoming = []
         for target in upcoming:
             for bucket in _prefetchable_buckets(target):
-                if not any(prefetched.params == tuple(bucket) for prefetched in self.in_flight):
-                    self.in_flight.append(_PrefetchedGather(tuple(bucket), shard_versions(bucket), issue_bucket_gather(bucket)))
+                self.issue(bucket)
 
     def take(self, bucket: list[FSDPParam]) -> AllGatherInFlight | None:
         """The prefetched all-gather of ``bucket`` if there is one and it is still valid."""
         params = tuple(bucket)
-        for i, prefetched in enumerate(self.in_flight):
-            if prefetched.params == params:
-                del self.in_flight[i]
-                if prefetched.versions == shard_versions(bucket):
-                    return prefetched.in_flight
-                prefetched.in_flight.wait()  # stale: a shard changed after the prefetch
-                return None
+        for in_flight in (self.in_flight, self.for_backward):
+            for i, prefetched in enumerate(in_flight):
+                if prefetched.params == params:
+                    del in_flight[i]
+                    if prefetched.versions == shard_versions(bucket):
+                        return prefetched.in_flight
+                    prefetched.in_flight.wait()  # stale: a shard changed after the prefetch
+                    return None
         return None
+
+    def issue(self, bucket: list[FSDPParam], for_backward: bool = False) -> None:
+        """Issue ``bucket``'s all-gather ahead of its use, unless it is in flight already."""
+        if any(prefetched.params == tuple(bucket) for prefetched in (*self.in_flight, *self.for_backward)):
+            return
+        prefetched = _PrefetchedGather(tuple(bucket), shard_versions(bucket), issue_bucket_gather(bucket))
+        (self.for_backward if for_backward else self.in_flight).append(prefetched)
+
+    def unit_before(self, unit: FSDPUnit) -> FSDPUnit | None:
+        """The unit that ran just before ``unit`` in the latest forward that ran it: the one
+        whose backward comes next."""
+        for order in reversed(self.orders.values()):
+            for i in range(len(order) - 1, 0, -1):
+                if order[i] is unit:
+                    return order[i - 1]
+        return None
+
+    def drop_for_backward(self) -> None:
+        for_backward, self.for_backward = self.for_backward, []
+        for prefetched in for_backward:
+            prefetched.in_flight.wait()
 
     def outermost_returned(self) -> None:
         """The outermost sharded forward returned (or raised): its order is what the next
         forward from the same unit prefetches by."""
         if self.outermost is not None:
             self.outermost.eager_forward_order = self.order
+            self.orders.pop(self.outermost, None)
+            self.orders[self.outermost] = self.order
         self.outermost, self.order = None, []
         self.drop_in_flight()
 
@@ -257,6 +331,51 @@ class EagerState:
     reductions: PendingReductions = field(default_factory=PendingReductions)
     #: This root's eager sharded forwards running now.
     forward_depth: int = 0
+    #: The running backward's gathered parameters (dim 0 first, no autograd) of the unit it
+    #: is in (and the units that unit is nested in): one all-gather per bucket serves the
+    #: re-gather of saved tensors and an activation-checkpointing recompute alike.
+    backward_gathered: dict[FSDPParam, torch.Tensor] = field(default_factory=dict)
+    #: What a recompute outside the unit's forward reads (:func:`gather_for_recompute`).
+    recompute_reads: dict[FSDPParam, torch.Tensor] = field(default_factory=dict)
+    #: Units whose forward a backward re-ran (activation checkpointing): what a backward prefetches for.
+    recomputed: set[FSDPUnit] = field(default_factory=set)
+    #: What forwards gathered for units that do not reshard after forward (:func:`_keep_for_backward`).
+    forward_kept: dict[FSDPParam, torch.Tensor] = field(default_factory=dict)
+
+    #: Units the running backward entered (:meth:`entering_backward_of`).
+    entered: set[FSDPUnit] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.reductions.at_end_of_backward = self.drop_kept_after_reduction
+
+    def drop_kept_after_reduction(self) -> None:
+        """A backward that reduced gradients of this root ended: drop what forwards kept for
+        the units it entered (a reentrant recompute's backward: one unit; the others'
+        are still to come), or, where it entered none, for all."""
+        for fsdp_param in [p for p in self.forward_kept if not self.entered or p.unit in self.entered]:
+            del self.forward_kept[fsdp_param]
+
+    def end_recompute(self) -> None:
+        """End of a backward: drop what it gathered for its units, prefetched for
+        recomputes, or kept from the forward."""
+        self.backward_gathered.clear()
+        self.recompute_reads.clear()
+        self.forward_kept.clear()
+        self.entered.clear()
+        self.forward_prefetch.drop_for_backward()
+
+    def entering_backward_of(self, unit: FSDPUnit, recompute: bool = False) -> None:
+        """The backward reached ``unit`` (``recompute``: to re-run its forward): forget what
+        it gathered for units ``unit`` is not nested in (at most the running unit stays
+        gathered, as FSDP2 reshards each unit after its backward), and drop it all when
+        the backward ends."""
+        if recompute:
+            self.recomputed.add(unit)
+        for kept in (self.backward_gathered, self.recompute_reads):
+            for fsdp_param in [p for p in kept if not _nested_in(unit, p.unit)]:
+                del kept[fsdp_param]
+        if call_at_end_of_backward(self.end_recompute):
+            self.entered.add(unit)
 
     def drop_regathers_in_flight(self) -> None:
         """End of a backward: wait on the prefetched re-gathers it did not use."""
@@ -268,6 +387,7 @@ class EagerState:
         drop what it left (its reduce-scatters, its prefetched re-gathers)."""
         self.reductions.drop_unfinished()
         self.drop_regathers_in_flight()
+        self.end_recompute()
         forget_end_of_backward_calls(self)
 
     def reset(self) -> None:
@@ -284,6 +404,11 @@ class EagerState:
         """How many things a step of this root left in flight or open (0 between steps)."""
         return (
             len(self.forward_prefetch.in_flight)
+            + len(self.forward_prefetch.for_backward)
+            + len(self.backward_gathered)
+            + len(self.recompute_reads)
+            + len(self.forward_kept)
+            + len(self.entered)
             + len(self.regathers_in_flight)
             + len(self.reductions.pending)
             + len(self.open_slots)
@@ -321,16 +446,121 @@ def _buckets(fsdp_params: list[FSDPParam], key_of) -> list[tuple[tuple | None, l
 
 
 def gather_for_recompute(fsdp_param: FSDPParam) -> torch.Tensor:
-    """The full tensor for an activation-checkpointing recompute in eager backward.
+    """The full tensor a recompute in eager backward reads outside the unit's forward:
+    activation checkpointing around the unit (``checkpoint_wrapper``, whose re-run
+    calls the wrapped module, not the sharded wrapper) or inside it, around a sub-module.
 
-    The recomputed ops only refill saved tensors (gradients flow through the
-    original forward's graph), but they must save what the original saved,
-    which depends on whether the weight requires grad: hence a fresh leaf. The
-    gather runs outside selective checkpointing's recompute mode, which only
+    The first such read gathers the whole unit, one all-gather per bucket (one the unit
+    after it prefetched, or one the backward made already for its saved tensors), and
+    prefetches the unit before it, as FSDP2's pre-backward does; the tensors serve every
+    read of the unit until the backward moves to another unit (one it is not nested in)
+    or ends. The reads carry autograd back to the shards, one reduce-scatter per bucket,
+    as in forward: a reentrant recompute's graph is run backward and its gradients must
+    reach the shards (they did not: every block's gradient was ``None``, silently); a
+    non-reentrant one only refills saved tensors, and saves what the forward saved.
+
+    The gathers run outside selective checkpointing's recompute mode, which only
     accepts the ops its region ran in forward."""
-    with outside_dispatch_modes():
+    state = fsdp_param.unit.eager
+    read = state.recompute_reads.get(fsdp_param)
+    if read is None:
+        with outside_recompute_modes():
+            _reads_for_recompute(fsdp_param.unit)
+        read = state.recompute_reads[fsdp_param]
+    return read
+
+
+def _reads_for_recompute(unit: FSDPUnit) -> None:
+    state = unit.eager
+    state.entering_backward_of(unit, recompute=True)
+    params = [p for p in unit.params if p.owner is not None and p not in state.recompute_reads]
+    trains = torch.is_grad_enabled()
+    for key, bucket in _buckets(params, regather_key):
+        if key is None:
+            for fsdp_param in bucket:
+                state.recompute_reads[fsdp_param] = _read_alone(fsdp_param)
+            continue
+        raws = _backward_gather(bucket)
+        if trains and any(p.sharded_param.requires_grad for p in bucket):
+            raws = bucket_fulls_with_grad(bucket, kept=raws)
+        for fsdp_param, raw in zip(bucket, raws, strict=True):
+            state.recompute_reads[fsdp_param] = fsdp_param._for_compute(raw)
+    prefetch_before_recompute(unit)
+
+
+def _backward_gather(bucket: list[FSDPParam]) -> list[torch.Tensor]:
+    """The full tensors (dim 0 first, no autograd) of a bucket of a unit the backward is
+    in: gathered already in this backward, prefetched, or gathered now; kept for the rest
+    of the unit's backward if a backward re-ran the unit's forward (a re-gather of saved
+    tensors alone is dropped with its last saved view, as before)."""
+    state = bucket[0].unit.eager
+    for fsdp_param in bucket:  # a re-gather of its saved tensors prefetched
+        slot = state.open_slots.get(fsdp_param)
+        if fsdp_param not in state.backward_gathered and slot is not None and slot.prefetched is not None:
+            slot.prefetched.land()
+    for source in (state.backward_gathered, state.forward_kept):
+        raws = [source.get(p) for p in bucket]
+        if all(raw is not None for raw in raws):
+            break
+    else:
+        raws = [p.still_gathered() for p in bucket]  # held by unshard(), or kept after backward
+        if any(raw is None for raw in raws):
+            raws = gather_bucket_raw_without_autograd(bucket, state.forward_prefetch.take(bucket))
+    if bucket[0].unit in state.recomputed:
+        state.backward_gathered.update(zip(bucket, raws, strict=True))
+    return raws
+
+
+def _read_alone(fsdp_param: FSDPParam) -> torch.Tensor:
+    """A recompute's read of a parameter gathered alone (no bucket), with autograd to its
+    shard where it trains."""
+    if fsdp_param.extension:
         full = fsdp_param.gather_without_autograd()
-    return full.detach().requires_grad_(fsdp_param.sharded_param.requires_grad)
+        return full.detach().requires_grad_(fsdp_param.sharded_param.requires_grad)
+    sharded = fsdp_param.sharded_param
+    if not (sharded.requires_grad and torch.is_grad_enabled()):
+        return fsdp_param._for_compute(fsdp_param._gather_raw_without_autograd())
+    local = fsdp_param._gather_input(sharded)
+    return fsdp_param._for_compute(gather_with_grad_sync(local, fsdp_param.spec, fsdp_param._accumulation()))
+
+
+def _nested_in(unit: FSDPUnit, outer: FSDPUnit) -> bool:
+    """Whether ``unit``'s modules lie inside ``outer``'s (or are them)."""
+    inner = {id(m) for m in unit.modules}
+    return any(id(m) in inner for module in outer.modules for m in module.modules())
+
+
+def prefetch_before_recompute(unit: FSDPUnit) -> None:
+    """``unit``'s forward runs again in backward (activation checkpointing): issue the
+    all-gather of the unit whose backward comes next (the unit before it in the latest
+    forward, or those ``unit`` names in ``backward_prefetches``), FSDP2's backward
+    prefetch: its re-gather if it saved gathered tensors, its gather if a backward
+    re-ran its forward before (or it is a module of the same kind: the blocks of one
+    stack are checkpointed alike). Waited on by its use, or at the end of the backward."""
+    state = unit.eager
+    state.recomputed.add(unit)
+    if not config.eager_overlap:
+        return
+    if unit.backward_prefetches:
+        targets = list(unit.backward_prefetches)
+    else:
+        before = state.forward_prefetch.unit_before(unit)
+        targets = [before] if before is not None and prefetch_fits(unit, before) else []
+    for target in targets:
+        slots = [s for s in state.open_slots.values() if s.fsdp_param.unit is target and _needs_regather(s)]
+        if slots:
+            if call_at_end_of_backward(state.drop_regathers_in_flight):
+                for first in slots:
+                    if _needs_regather(first) and regather_key(first.fsdp_param) is not None:
+                        _RegatherInFlight.issue(_regather_bucket(first))
+        elif (target in state.recomputed or _same_kind(target, unit)) and call_at_end_of_backward(state.end_recompute):
+            for bucket in _prefetchable_buckets(target):
+                if not all(p in state.forward_kept or p in state.backward_gathered for p in bucket):
+                    state.forward_prefetch.issue(bucket, for_backward=True)
+
+
+def _same_kind(a: FSDPUnit, b: FSDPUnit) -> bool:
+    return [type(m) for m in a.modules] == [type(m) for m in b.modules]
 
 
 # ------------------------------------------------------- reshard after forward
@@ -340,6 +570,7 @@ def _regather(slot: RegatherSlot) -> None:
     """Fill ``slot.full``, and with the same all-gather every other open slot of its
     unit that shares its bucket (FSDP2's pre-backward gathers the whole unit); then
     prefetch the re-gather of the unit packed before it (FSDP2's backward prefetch)."""
+    slot.fsdp_param.unit.eager.entering_backward_of(slot.fsdp_param.unit)
     if slot.prefetched is not None:
         slot.prefetched.land()
     else:
@@ -347,8 +578,9 @@ def _regather(slot: RegatherSlot) -> None:
         if len(bucket) == 1:
             slot.full = slot.fsdp_param.gather_without_autograd()
         else:
-            for other, full in zip(bucket, gather_bucket_without_autograd([s.fsdp_param for s in bucket]), strict=True):
-                other.full = full
+            fsdp_params = [s.fsdp_param for s in bucket]
+            for other, raw in zip(bucket, _backward_gather(fsdp_params), strict=True):
+                other.full = other.fsdp_param._for_compute(raw)
     _prefetch_regather_before(slot)
 
 
@@ -392,9 +624,7 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
     if not config.eager_overlap:
         return
     same_forward = [
-        other
-        for other in unit.eager.open_slots.values()
-        if other.forward == slot.forward and _needs_regather(other) and other.fsdp_param.unit is not unit
+        other for other in unit.eager.open_slots.values() if other.forward == slot.forward and other.fsdp_param.unit is not unit
     ]
     if unit.backward_prefetches:  # in the list's order, as FSDP2 issues them
         order = unit.backward_prefetches
@@ -406,7 +636,7 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
         earlier = [other for other in same_forward if other.seq < slot.seq]
         upcoming = max(earlier, key=lambda other: other.seq).fsdp_param.unit if earlier else None
         fits = upcoming is not None and prefetch_fits(unit, upcoming)
-        targets = [other for other in earlier if other.fsdp_param.unit is upcoming] if fits else []
+        targets = [other for other in earlier if other.fsdp_param.unit is upcoming and _needs_regather(other)] if fits else []
     if not targets or not call_at_end_of_backward(unit.eager.drop_regathers_in_flight):
         return
     for first in targets:
@@ -430,10 +660,14 @@ class _RegatherInFlight:
 
     def land(self) -> None:
         """Wait, and fill every member slot."""
-        self.slots[0].fsdp_param.unit.eager.regathers_in_flight.remove(self)
-        fulls = gather_bucket_without_autograd([s.fsdp_param for s in self.slots], self.in_flight)
-        for s, full in zip(self.slots, fulls, strict=True):
-            s.full, s.prefetched = full, None
+        state = self.slots[0].fsdp_param.unit.eager
+        state.regathers_in_flight.remove(self)
+        fsdp_params = [s.fsdp_param for s in self.slots]
+        raws = gather_bucket_raw_without_autograd(fsdp_params, self.in_flight)
+        if fsdp_params[0].unit in state.recomputed:
+            state.backward_gathered.update(zip(fsdp_params, raws, strict=True))
+        for s, raw in zip(self.slots, raws, strict=True):
+            s.full, s.prefetched = s.fsdp_param._for_compute(raw), None
 
     def drop(self) -> None:
         """Wait, and fill nothing (the backward ended without using it)."""

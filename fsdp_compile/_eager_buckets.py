@@ -59,33 +59,40 @@ def gather_bucket(fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | N
     later: see ``fsdp_compile._eager_reduce``): eager code's :meth:`FSDPParam.gather`
     for a bucket. ``in_flight``: their all-gather, issued ahead by
     :func:`issue_bucket_gather` (a prefetch) from unchanged shards."""
-    first = fsdp_params[0]
     if forward_context.in_broken_graph():
-        warn_gathered_in_broken_graph(first)
+        warn_gathered_in_broken_graph(fsdp_params[0])
+    kept = [p.still_gathered() for p in fsdp_params]
+    fulls = bucket_fulls_with_grad(fsdp_params, in_flight, None if kept[0] is None else kept)
+    for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
+        fsdp_param._note_gathered(full)
+
+
+def bucket_fulls_with_grad(
+    fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None, kept: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """The full tensors (dim 0 first) of a bucket, gathered with one all-gather
+    (``in_flight``, or ``kept``: already gathered), whose gradients are reduced with one
+    reduce-scatter (:func:`gather_bucket`)."""
+    first = fsdp_params[0]
     shards = [p._gather_input(p.sharded_param) for p in fsdp_params]
     specs = [p.spec for p in fsdp_params]
-    kept = [p.still_gathered() for p in fsdp_params]
-    kept = None if kept[0] is None else kept
     with fx_annotate(first.spec.tag.as_meta()) if annotating() else NO_ANNOTATION:
         if not first.unit.requires_gradient_sync and shards[0].requires_grad and torch.is_grad_enabled():
             accumulators = [p._grad_accumulator for p in fsdp_params]
-            fulls = gather_bucket_with_grad_sync(
+            return gather_bucket_with_grad_sync(
                 [s.detach() for s in shards], specs, in_flight, accumulators=accumulators, kept=kept
             )
-        else:
-            pendings = [None if p._grad_accumulator is None else p.claim_accumulated(p._grad_accumulator) for p in fsdp_params]
-            deliver = first.unit.eager.reductions.deliverer(shards) if defers_reduction(shards) else None
-            fulls = gather_bucket_with_grad_sync(
-                [s.detach() for s in shards] if deliver is not None else shards,
-                specs,
-                in_flight,
-                deliver,
-                first.unit.reduce_scatter_unused_params,
-                pendings,
-                kept=kept,
-            )
-    for fsdp_param, full in zip(fsdp_params, fulls, strict=True):
-        fsdp_param._note_gathered(full)
+        pendings = [None if p._grad_accumulator is None else p.claim_accumulated(p._grad_accumulator) for p in fsdp_params]
+        deliver = first.unit.eager.reductions.deliverer(shards) if defers_reduction(shards) else None
+        return gather_bucket_with_grad_sync(
+            [s.detach() for s in shards] if deliver is not None else shards,
+            specs,
+            in_flight,
+            deliver,
+            first.unit.reduce_scatter_unused_params,
+            pendings,
+            kept=kept,
+        )
 
 
 def issue_bucket_gather(fsdp_params: list[FSDPParam], role: Role = Role.UNSHARD) -> AllGatherInFlight:
@@ -111,11 +118,19 @@ def gather_bucket_without_autograd(
 ) -> list[torch.Tensor]:
     """:meth:`FSDPParam.gather_without_autograd` for a bucket of one :func:`regather_key`;
     ``in_flight``: its all-gather, issued ahead by :func:`issue_bucket_gather`."""
+    fulls = gather_bucket_raw_without_autograd(fsdp_params, in_flight)
+    return [p._for_compute(full) for p, full in zip(fsdp_params, fulls, strict=True)]
+
+
+def gather_bucket_raw_without_autograd(
+    fsdp_params: list[FSDPParam], in_flight: AllGatherInFlight | None = None
+) -> list[torch.Tensor]:
+    """:func:`gather_bucket_without_autograd`'s tensors as the all-gather returns them
+    (dim 0 first, in ``param_dtype``)."""
     if in_flight is None:
         in_flight = issue_bucket_gather(fsdp_params, Role.REGATHER)
     with torch.no_grad():
-        fulls = in_flight.wait()
-    return [p._for_compute(full) for p, full in zip(fsdp_params, fulls, strict=True)]
+        return in_flight.wait()
 
 
 def gather_extension_bucket(fsdp_params: list[FSDPParam]) -> None:

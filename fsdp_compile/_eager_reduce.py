@@ -97,6 +97,8 @@ class PendingReductions:
 
     def __init__(self) -> None:
         self.pending: list[_PendingReduction] = []
+        #: Called too when a backward that reduced through this root ends.
+        self.at_end_of_backward: Callable[[], None] | None = None
 
     def deliverer(self, shards: list[torch.Tensor]) -> Callable[[Callable[[], ReduceScatterInFlight], list[int]], None]:
         """What the bucket gathered from ``shards`` calls in backward with the function
@@ -117,6 +119,8 @@ class PendingReductions:
             )
         # Outside a plain backward (create_graph, or none running) nothing waits later.
         depth = config.reduce_scatter_depth if not torch.is_grad_enabled() and call_at_end_of_backward(self.finish_all) else 0
+        if depth and self.at_end_of_backward is not None:
+            call_at_end_of_backward(self.at_end_of_backward)
         while self.pending and len(self.pending) >= depth:
             self._finish(self.pending.pop(0))
         self.pending.append(_PendingReduction(shards, issue()))

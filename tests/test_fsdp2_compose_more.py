@@ -673,11 +673,6 @@ def test_train_parity_shard_placement_fn_shard_largest_dim(pool2, kind):
 # -- test_fully_shard_comm.py::TestFullyShardPrefetch
 
 
-PREFETCH_AC_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="ours with composable checkpoint: no backward prefetch (AG layers.1 after RS layers.2), and with "
-    "reshard_after_forward=False each block all-gathered again in backward",
-)
 PREFETCH_MULTI_XFAIL = pytest.mark.xfail(
     strict=True,
     reason="ours, two forwards then one backward: each unit reduce-scatters once per forward (the root twice, "
@@ -688,7 +683,7 @@ PREFETCH_MULTI_XFAIL = pytest.mark.xfail(
 def _prefetch_marks(kind: str, ac: bool, multi: bool) -> list:
     if kind != "ours":
         return []
-    return [PREFETCH_MULTI_XFAIL] if multi else [PREFETCH_AC_XFAIL] if ac else []
+    return [PREFETCH_MULTI_XFAIL] if multi else []
 
 
 PREFETCH = [

@@ -602,6 +602,21 @@ def outside_dispatch_modes():
     return _disable_current_modes()
 
 
+def outside_recompute_modes():
+    """:func:`outside_dispatch_modes` where selective activation checkpointing's mode is
+    active (``torch.utils.checkpoint``'s private caching modes), else nothing: other
+    modes (``CommDebugMode``) still see what runs."""
+    from contextlib import nullcontext
+
+    from torch.utils import checkpoint as ac
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = tuple(getattr(ac, name) for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode") if hasattr(ac, name))
+    if any(isinstance(mode, modes) for mode in _get_current_dispatch_mode_stack()):
+        return outside_dispatch_modes()
+    return nullcontext()
+
+
 @never_a_frame_of_its_own  # called from eager code inside a compiled call (fullgraph=True would refuse its frame)
 def in_backward_recompute() -> bool:
     """True while the autograd engine runs a backward on this thread (where eager
@@ -668,6 +683,7 @@ __all__ = [
     "is_strided_shard",
     "in_backward_recompute",
     "outside_dispatch_modes",
+    "outside_recompute_modes",
     "detect_fake_mode",
     "tree_map",
     "OpOverload",
