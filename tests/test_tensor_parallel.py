@@ -163,14 +163,19 @@ def checkpoint_interchange(path: str, writer: str, reader: str) -> float:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_fsdp_tp_matches_reference_and_fsdp2(pool4, sequence_parallel):
+    """Ours eager matches the reference and FSDP2 + TP with FSDP2's placements; without
+    sequence parallelism, aot_eager is bitwise eager in one graph (the sequence-parallel
+    plan compiled: ``test_fsdp_tp_sp_through_inductors_passes_matches_reference``)."""
     reference = pool4.run(train, "reference")[0]
     fsdp2 = pool4.run(train, "fsdp2", sequence_parallel)[0]
     ours_eager = pool4.run(train, "ours", sequence_parallel)[0]
-    ours_aot = pool4.run(train, "ours:aot_eager", sequence_parallel)[0]
     # Same names and placements as FSDP2 + TP (so DCP checkpoints interchange).
     assert ours_eager["placements"] == fsdp2["placements"]
     assert max_gap(fsdp2, reference) < 1e-5
     assert max_gap(ours_eager, reference) < 1e-5
+    if sequence_parallel:
+        return
+    ours_aot = pool4.run(train, "ours:aot_eager", sequence_parallel)[0]
     # Eager and aot_eager run the same ops: bitwise equal.
     assert max_gap(ours_aot, ours_eager) == 0.0
     assert ours_aot["graphs"] == 1  # fullgraph=True, no recompiles
