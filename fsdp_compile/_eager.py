@@ -93,7 +93,8 @@ def pre_forward(unit: FSDPUnit, mode: ExecutionMode, args, kwargs):
         if inside_compiled_call:
             pass
         elif running_backward_id() is not None:  # activation checkpointing re-runs it in backward
-            prefetch_before_recompute(unit)
+            with outside_recompute_modes():
+                prefetch_before_recompute(unit)
         else:
             state.forward_prefetch.gathered(unit, state.forward_depth)
     except BaseException:
@@ -141,7 +142,9 @@ def gather_unit(unit: FSDPUnit) -> None:
         state.entering_backward_of(unit, recompute=True)
     for key, bucket in _buckets(to_gather, bucket_key):
         if key is not None and in_backward:
-            for fsdp_param, full in zip(bucket, bucket_fulls_with_grad(bucket, kept=_backward_gather(bucket)), strict=True):
+            with outside_recompute_modes():
+                raws = _backward_gather(bucket)
+            for fsdp_param, full in zip(bucket, bucket_fulls_with_grad(bucket, kept=raws), strict=True):
                 fsdp_param._note_gathered(full)
             continue
         prefetched = state.forward_prefetch.take(bucket) if key is not None else None

@@ -1,6 +1,7 @@
 """Eager activation checkpointing of sharded blocks, in each way the stacks apply it.
 
-torchtitan wraps each block in ``checkpoint_wrapper`` and shards the wrapper; composable
+torchtitan wraps each block in ``checkpoint_wrapper`` (selective: saving matmul outputs)
+and shards the wrapper; composable
 ``checkpoint(block)`` shards the block itself; a model may checkpoint a sub-module inside
 its sharded block (``torch.utils.checkpoint`` around an inner call); each reentrant or not.
 The backward re-runs the block's forward, so it must read the block's parameters
@@ -27,7 +28,7 @@ from tests.models import fully_shard_of
 from tests.test_fsdp2_contract_more import AG, CollectiveLog
 
 STEPS = 3
-STYLES = ["composable", "wrapper", "wrapper-reentrant", "inner", "inner-reentrant"]
+STYLES = ["composable", "wrapper", "wrapper-reentrant", "wrapper-selective", "inner", "inner-reentrant"]
 
 
 class Block(nn.Module):
@@ -65,6 +66,17 @@ class Stack(nn.Module):
         return self.head(x)
 
 
+def _save_matmuls():
+    """Selective checkpointing as torchtitan's: matmul outputs saved, the rest recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, func, *args, **kwargs):
+        saved = func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def _checkpointed(style: str) -> nn.Module:
     from torch.distributed._composable import checkpoint
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -74,21 +86,28 @@ def _checkpointed(style: str) -> nn.Module:
     model = Stack(inner)
     if style.startswith("wrapper"):
         impl = CheckpointImpl.REENTRANT if style == "wrapper-reentrant" else CheckpointImpl.NO_REENTRANT
-        model.layers = nn.ModuleList(checkpoint_wrapper(layer, checkpoint_impl=impl) for layer in model.layers)
+        options = {"context_fn": _save_matmuls} if style == "wrapper-selective" else {}
+        model.layers = nn.ModuleList(checkpoint_wrapper(layer, checkpoint_impl=impl, **options) for layer in model.layers)
     elif style == "composable":
         for layer in model.layers:
             checkpoint(layer)
     return model
 
 
-def train_checkpointed(kind: str, style: str, reshard: bool, accumulate: bool) -> dict:
+def train_checkpointed(kind: str, style: str, reshard: bool, accumulate: bool, policy: str | None = None) -> dict:
     """3 Adam steps (2 micro-batches each with ``accumulate``, gradient sync on the last
-    only): losses, full gradients per step, the collectives of each backward."""
+    only): losses, full gradients per step, the collectives of each backward. ``policy``:
+    ``"bf16"``: parameters gathered and computed in bf16, gradients reduced in fp32."""
+    from tests.test_fsdp2_training_more import _mp_policy
+
     fully_shard = fully_shard_of(kind)
+    options = {"reshard_after_forward": reshard}
+    if policy == "bf16":
+        options["mp_policy"] = _mp_policy(kind)(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = _checkpointed(style)
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     sizes = {}
     for name, unit in [("root", model), *[(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]]:
         own = [p for n, p in unit.named_parameters() if unit is not model or not n.startswith("layers.")]
@@ -113,23 +132,22 @@ def train_checkpointed(kind: str, style: str, reshard: bool, accumulate: bool) -
     return {"losses": torch.stack(losses), "grads": grads, "backwards": backwards}
 
 
-def both(style: str, reshard: bool, accumulate: bool) -> dict:
-    return {kind: train_checkpointed(kind, style, reshard, accumulate) for kind in ("fsdp2", "ours")}
+def both(style: str, reshard: bool, accumulate: bool, policy: str | None) -> dict:
+    return {kind: train_checkpointed(kind, style, reshard, accumulate, policy) for kind in ("fsdp2", "ours")}
 
 
-CASES = [(style, reshard, False) for style in STYLES for reshard in (True, False)]
-CASES += [(style, True, True) for style in ("wrapper-reentrant", "inner")]
+CASES = [(style, reshard, False, None) for style in STYLES for reshard in (True, False)]
+CASES += [(style, True, True, None) for style in ("wrapper-reentrant", "inner")]
+CASES += [("wrapper-reentrant", True, False, "bf16"), ("wrapper", False, False, "bf16")]
 
 
-@pytest.mark.parametrize(
-    ("style", "reshard", "accumulate"),
-    [
-        pytest.param(*case, id=f"{case[0]}-{'reshard' if case[1] else 'no-reshard'}{'-accumulate' if case[2] else ''}")
-        for case in CASES
-    ],
-)
-def test_checkpointed_blocks_train_and_communicate_as_fsdp2(pool2, style, reshard, accumulate):
-    for r in pool2.run(both, style, reshard, accumulate):
+def _case_id(style: str, reshard: bool, accumulate: bool, policy: str | None) -> str:
+    return "-".join([style, "reshard" if reshard else "no-reshard", *(["accumulate"] if accumulate else []), *filter(None, [policy])])
+
+
+@pytest.mark.parametrize(("style", "reshard", "accumulate", "policy"), [pytest.param(*c, id=_case_id(*c)) for c in CASES])
+def test_checkpointed_blocks_train_and_communicate_as_fsdp2(pool2, style, reshard, accumulate, policy):
+    for r in pool2.run(both, style, reshard, accumulate, policy):
         o, f = r["ours"], r["fsdp2"]
         torch.testing.assert_close(o["losses"], f["losses"])
         for step, (og, fg) in enumerate(zip(o["grads"], f["grads"], strict=True)):

@@ -602,19 +602,33 @@ def outside_dispatch_modes():
     return _disable_current_modes()
 
 
+@contextlib.contextmanager
 def outside_recompute_modes():
-    """:func:`outside_dispatch_modes` where selective activation checkpointing's mode is
-    active (``torch.utils.checkpoint``'s private caching modes), else nothing: other
-    modes (``CommDebugMode``) still see what runs."""
-    from contextlib import nullcontext
-
+    """Run the block without selective activation checkpointing's dispatch modes
+    (``torch.utils.checkpoint``'s private caching modes, which only accept the ops their
+    region ran in forward); every other mode (``CommDebugMode``) still sees what runs.
+    The modes above the lowest of them are popped, the others pushed back in order,
+    and all restored after."""
     from torch.utils import checkpoint as ac
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-    modes = tuple(getattr(ac, name) for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode") if hasattr(ac, name))
-    if any(isinstance(mode, modes) for mode in _get_current_dispatch_mode_stack()):
-        return outside_dispatch_modes()
-    return nullcontext()
+    kinds = tuple(getattr(ac, n) for n in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode") if hasattr(ac, n))
+    stack = _get_current_dispatch_mode_stack()
+    lowest = next((i for i, mode in enumerate(stack) if isinstance(mode, kinds)), None)
+    if lowest is None:
+        yield
+        return
+    popped = [_pop_mode() for _ in range(len(stack) - lowest)]  # top first
+    kept = [mode for mode in reversed(popped) if not isinstance(mode, kinds)]
+    for mode in kept:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for mode in reversed(popped):
+            _push_mode(mode)
 
 
 @never_a_frame_of_its_own  # called from eager code inside a compiled call (fullgraph=True would refuse its frame)
