@@ -103,8 +103,14 @@ def pre_forward(unit: FSDPUnit, mode: ExecutionMode, args, kwargs):
     # Resharding via saved-tensor hooks, unless other hooks already manage saved
     # tensors (activation checkpointing recomputes them anyway; another root's forward
     # running around this one packs for it).
+    # Not in a recompute in backward (reentrant checkpointing): its backward follows at once,
+    # with the unit gathered for it.
     outermost = (
-        not inside_compiled_call and state.forward_depth == 1 and torch.is_grad_enabled() and not saved_tensors_hooks_active()
+        not inside_compiled_call
+        and state.forward_depth == 1
+        and torch.is_grad_enabled()
+        and not saved_tensors_hooks_active()
+        and running_backward_id() is None
     )
     return args, kwargs, reshard_after_forward_hooks() if outermost else None
 
@@ -114,6 +120,7 @@ def post_forward(unit: FSDPUnit) -> None:
     forward_context.exit()
     state = unit.eager
     state.forward_depth -= 1
+    state.forward_prefetch.returned(unit)
     if state.forward_depth == 0:
         state.forward_prefetch.outermost_returned()
 
@@ -154,7 +161,7 @@ def gather_unit(unit: FSDPUnit) -> None:
             for fsdp_param in bucket:
                 owner, name = fsdp_param.owner
                 fsdp_param.gather(owner._parameters[name])
-    if not in_backward and torch.is_grad_enabled() and not unit.frees_gathered_after_forward():
+    if not in_backward and not unit.frees_gathered_after_forward():
         _keep_for_backward(to_gather)
     if len(unit.modules) > 1:
         _keep_for_the_units_other_modules(unit)
@@ -164,9 +171,10 @@ def _keep_for_backward(gathered: list[FSDPParam]) -> None:
     """Keep what a forward gathered for a unit that does not reshard after forward, so
     that a recompute of the unit in backward (activation checkpointing, which saves none
     of it) reads it instead of gathering again, as FSDP2's unsharded parameters stay
-    until the unit's backward. Only trainable parameters read as gathered (a frozen one
-    would outlive a backward that reduces nothing); dropped when the root's backward
-    ends, or at the unit's next forward."""
+    until the unit's backward (a reentrant checkpoint runs the forward without grad).
+    Only trainable parameters read as gathered (a frozen one would outlive a backward
+    that reduces nothing); dropped when the root's backward ends, or at the unit's next
+    forward."""
     state = gathered[0].unit.eager if gathered else None
     for fsdp_param in gathered:
         if (
@@ -240,8 +248,10 @@ class _ForwardPrefetch:
         self.on_track = False
         self.in_flight: list[_PrefetchedGather] = []
         self.forwards = 0  # outermost eager forwards so far (an id for the running one)
-        #: Units in the order of the last forward from each outermost unit, most recent last.
+        #: Units in the order their forwards returned, in the last forward from each outermost
+        #: unit (most recent last): reversed, the order of their backwards.
         self.orders: dict[FSDPUnit, list[FSDPUnit]] = {}
+        self.returned_order: list[FSDPUnit] = []
         #: Gathers issued in backward for the next activation-checkpointing recompute.
         self.for_backward: list[_PrefetchedGather] = []
 
@@ -290,9 +300,15 @@ class _ForwardPrefetch:
         prefetched = _PrefetchedGather(tuple(bucket), shard_versions(bucket), issue_bucket_gather(bucket))
         (self.for_backward if for_backward else self.in_flight).append(prefetched)
 
+    def returned(self, unit: FSDPUnit) -> None:
+        """``unit``'s forward returned (not a recompute in backward)."""
+        if self.outermost is not None:
+            self.returned_order.append(unit)
+
     def unit_before(self, unit: FSDPUnit) -> FSDPUnit | None:
-        """The unit that ran just before ``unit`` in the latest forward that ran it: the one
-        whose backward comes next."""
+        """The unit whose forward returned just before ``unit``'s in the latest forward that
+        ran it: the one whose backward comes next (FSDP2's backward prefetch order; for a
+        unit nested in another, the one before the outer unit)."""
         for order in reversed(self.orders.values()):
             for i in range(len(order) - 1, 0, -1):
                 if order[i] is unit:
@@ -310,7 +326,8 @@ class _ForwardPrefetch:
         if self.outermost is not None:
             self.outermost.eager_forward_order = self.order
             self.orders.pop(self.outermost, None)
-            self.orders[self.outermost] = self.order
+            self.orders[self.outermost] = self.returned_order
+        self.returned_order = []
         self.outermost, self.order = None, []
         self.drop_in_flight()
 
@@ -535,11 +552,11 @@ def _nested_in(unit: FSDPUnit, outer: FSDPUnit) -> bool:
 
 def prefetch_before_recompute(unit: FSDPUnit) -> None:
     """``unit``'s forward runs again in backward (activation checkpointing): issue the
-    all-gather of the unit whose backward comes next (the unit before it in the latest
-    forward, or those ``unit`` names in ``backward_prefetches``), FSDP2's backward
-    prefetch: its re-gather if it saved gathered tensors, its gather if a backward
-    re-ran its forward before (or it is a module of the same kind: the blocks of one
-    stack are checkpointed alike). Waited on by its use, or at the end of the backward."""
+    all-gather of the unit whose backward comes next (the unit whose forward returned
+    before ``unit``'s, or those ``unit`` names in ``backward_prefetches``), FSDP2's
+    backward prefetch: the re-gather of its saved tensors if it saved any, else the
+    gather of what it resharded after forward (its own recompute will read it). Waited
+    on by its use, or at the end of the backward."""
     state = unit.eager
     state.recomputed.add(unit)
     if not config.eager_overlap:
@@ -550,20 +567,16 @@ def prefetch_before_recompute(unit: FSDPUnit) -> None:
         before = state.forward_prefetch.unit_before(unit)
         targets = [before] if before is not None and prefetch_fits(unit, before) else []
     for target in targets:
-        slots = [s for s in state.open_slots.values() if s.fsdp_param.unit is target and _needs_regather(s)]
+        slots = [s for s in state.open_slots.values() if s.fsdp_param.unit is target]
         if slots:
             if call_at_end_of_backward(state.drop_regathers_in_flight):
                 for first in slots:
                     if _needs_regather(first) and regather_key(first.fsdp_param) is not None:
                         _RegatherInFlight.issue(_regather_bucket(first))
-        elif (target in state.recomputed or _same_kind(target, unit)) and call_at_end_of_backward(state.end_recompute):
+        elif target.frees_gathered_after_forward() and call_at_end_of_backward(state.end_recompute):
             for bucket in _prefetchable_buckets(target):
                 if not all(p in state.forward_kept or p in state.backward_gathered for p in bucket):
                     state.forward_prefetch.issue(bucket, for_backward=True)
-
-
-def _same_kind(a: FSDPUnit, b: FSDPUnit) -> bool:
-    return [type(m) for m in a.modules] == [type(m) for m in b.modules]
 
 
 # ------------------------------------------------------- reshard after forward

@@ -97,7 +97,8 @@ def _checkpointed(style: str) -> nn.Module:
 def train_checkpointed(kind: str, style: str, reshard: bool, accumulate: bool, policy: str | None = None) -> dict:
     """3 Adam steps (2 micro-batches each with ``accumulate``, gradient sync on the last
     only): losses, full gradients per step, the collectives of each backward. ``policy``:
-    ``"bf16"``: parameters gathered and computed in bf16, gradients reduced in fp32."""
+    ``"bf16"``: parameters gathered and computed in bf16, gradients reduced in fp32;
+    ``"nested"``: each block's MLP sharded as a unit of its own first."""
     from tests.test_fsdp2_training_more import _mp_policy
 
     fully_shard = fully_shard_of(kind)
@@ -106,6 +107,8 @@ def train_checkpointed(kind: str, style: str, reshard: bool, accumulate: bool, p
         options["mp_policy"] = _mp_policy(kind)(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = _checkpointed(style)
     for layer in model.layers:
+        if policy == "nested":  # each block's MLP a unit of its own inside the block's
+            fully_shard(layer.get_submodule("_checkpoint_wrapped_module.mlp" if style.startswith("wrapper") else "mlp"), **options)
         fully_shard(layer, **options)
     fully_shard(model, **options)
     sizes = {}
@@ -139,6 +142,8 @@ def both(style: str, reshard: bool, accumulate: bool, policy: str | None) -> dic
 CASES = [(style, reshard, False, None) for style in STYLES for reshard in (True, False)]
 CASES += [(style, True, True, None) for style in ("wrapper-reentrant", "inner")]
 CASES += [("wrapper-reentrant", True, False, "bf16"), ("wrapper", False, False, "bf16")]
+# Each block's MLP a unit of its own inside the block's (MoE experts on their own mesh are so).
+CASES += [("wrapper", True, False, "nested"), ("wrapper-reentrant", True, False, "nested"), ("composable", False, False, "nested")]
 
 
 def _case_id(style: str, reshard: bool, accumulate: bool, policy: str | None) -> str:
