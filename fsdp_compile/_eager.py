@@ -154,6 +154,11 @@ def gather_unit(unit: FSDPUnit) -> None:
             for fsdp_param, full in zip(bucket, bucket_fulls_with_grad(bucket, kept=raws), strict=True):
                 fsdp_param._note_gathered(full)
             continue
+        kept = _kept_since_an_earlier_forward(bucket) if key is not None else None
+        if kept is not None:  # FSDP2's unit that does not reshard stays unsharded until its backward
+            for fsdp_param, full in zip(bucket, bucket_fulls_with_grad(bucket, kept=kept), strict=True):
+                fsdp_param._note_gathered(full)
+            continue
         prefetched = state.forward_prefetch.take(bucket) if key is not None else None
         if prefetched is not None or (key is not None and len(bucket) > 1):
             gather_bucket(bucket, prefetched)
@@ -182,7 +187,19 @@ def _keep_for_backward(gathered: list[FSDPParam]) -> None:
             and fsdp_param._reads_gathered_as_is
             and fsdp_param.sharded_param.requires_grad
         ):
-            state.forward_kept[fsdp_param] = fsdp_param.gathered.detach()
+            state.forward_kept[fsdp_param] = (fsdp_param.gathered.detach(), fsdp_param._shard_version())
+
+
+def _kept_since_an_earlier_forward(bucket: list[FSDPParam]) -> list[torch.Tensor] | None:
+    """What an earlier forward kept of ``bucket`` (:func:`_keep_for_backward`), if all of
+    it is kept and no shard changed since (an optimizer step, a load): a second forward
+    before the backward, or a module of the unit called by itself after a forward that
+    left it out, gathers nothing, as FSDP2's unsharded parameters serve it."""
+    forward_kept = bucket[0].unit.eager.forward_kept
+    kept = [forward_kept.get(p) for p in bucket]
+    if any(k is None or k[1] != p._shard_version() for k, p in zip(kept, bucket, strict=True)):
+        return None
+    return [k[0] for k in kept]
 
 
 def _keep_for_the_units_other_modules(unit: FSDPUnit) -> None:
@@ -278,7 +295,8 @@ class _ForwardPrefetch:
             upcoming = []
         for target in upcoming:
             for bucket in _prefetchable_buckets(target):
-                self.issue(bucket)
+                if _kept_since_an_earlier_forward(bucket) is None:
+                    self.issue(bucket)
 
     def take(self, bucket: list[FSDPParam]) -> AllGatherInFlight | None:
         """The prefetched all-gather of ``bucket`` if there is one and it is still valid."""
@@ -359,8 +377,9 @@ class EagerState:
     recompute_reads: dict[FSDPParam, torch.Tensor] = field(default_factory=dict)
     #: Units whose forward a backward re-ran (activation checkpointing): what a backward prefetches for.
     recomputed: set[FSDPUnit] = field(default_factory=set)
-    #: What forwards gathered for units that do not reshard after forward (:func:`_keep_for_backward`).
-    forward_kept: dict[FSDPParam, torch.Tensor] = field(default_factory=dict)
+    #: What forwards gathered for units that do not reshard after forward, with the shard's
+    #: version then (:func:`_keep_for_backward`).
+    forward_kept: dict[FSDPParam, tuple[torch.Tensor, tuple]] = field(default_factory=dict)
 
     #: Units the running backward entered (:meth:`entering_backward_of`).
     entered: set[FSDPUnit] = field(default_factory=set)
@@ -378,9 +397,12 @@ class EagerState:
     def end_recompute(self) -> None:
         """End of a backward: drop what it gathered for its units, prefetched for
         recomputes, or kept from the forward."""
+        self.forward_kept.clear()
+        self.drop_backward_gathers()
+
+    def drop_backward_gathers(self) -> None:
         self.backward_gathered.clear()
         self.recompute_reads.clear()
-        self.forward_kept.clear()
         self.entered.clear()
         self.forward_prefetch.drop_for_backward()
 
@@ -407,7 +429,7 @@ class EagerState:
         drop what it left (its reduce-scatters, its prefetched re-gathers)."""
         self.reductions.drop_unfinished()
         self.drop_regathers_in_flight()
-        self.end_recompute()
+        self.drop_backward_gathers()
         forget_end_of_backward_calls(self)
 
     def reset(self) -> None:
@@ -518,7 +540,8 @@ def _backward_gather(bucket: list[FSDPParam]) -> list[torch.Tensor]:
         slot = state.open_slots.get(fsdp_param)
         if fsdp_param not in state.backward_gathered and slot is not None and slot.prefetched is not None:
             slot.prefetched.land()
-    for source in (state.backward_gathered, state.forward_kept):
+    forward_kept = {p: kept for p, (kept, _) in state.forward_kept.items()}
+    for source in (state.backward_gathered, forward_kept):
         raws = [source.get(p) for p in bucket]
         if all(raw is not None for raw in raws):
             break

@@ -171,3 +171,54 @@ def test_checkpointed_blocks_train_and_communicate_as_fsdp2(pool2, style, reshar
         assert [sum(e.startswith("RS") for e in b) for b in o["backwards"]] == [
             sum(e.startswith("RS") for e in b) + blocks for b in f["backwards"]
         ]
+
+
+def forwards_around_an_edit() -> dict:
+    """A model whose units do not reshard after forward: two forwards, an in-place edit of
+    every parameter, a third forward, then ``load_state_dict(assign=True)`` of the
+    reference's weights and a fourth; the all-gathers of each forward, and the outputs
+    beside the unsharded reference's."""
+    from fsdp_compile import fully_shard
+    from fsdp_compile.testing import full_parameters
+
+    model = _checkpointed("composable")
+    ref = _checkpointed("composable")
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    gathers, gaps = [], []
+
+    def forward() -> None:
+        log = CollectiveLog()
+        with log:
+            out = model(x)
+        gathers.append(sum(op == AG for op, _, _ in log.events))
+        gaps.append((out - ref(x)).abs().max().item())
+
+    forward()
+    forward()
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+            p.mul_(2.0)
+            r.mul_(2.0)
+    forward()
+    with torch.no_grad():
+        for r in ref.parameters():
+            r.add_(0.5)
+    sharded = {k: v.redistribute(v.device_mesh, v.placements) for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        sharded[k] = torch.distributed.tensor.distribute_tensor(v, sharded[k].device_mesh, sharded[k].placements)
+    model.load_state_dict(sharded, assign=True)
+    forward()
+    assert all(torch.equal(a, b) for a, b in zip(full_parameters(model).values(), ref.state_dict().values(), strict=True))
+    return {"gathers": gathers, "gaps": gaps}
+
+
+def test_a_unit_kept_after_forward_is_gathered_again_only_when_its_shards_change(pool2):
+    """FSDP2's ``reshard_after_forward=False``: a second forward before any backward reads
+    what the first gathered; a forward after an in-place edit or an ``assign=True`` load
+    gathers anew and computes with the new weights (the reference's, exactly)."""
+    for r in pool2.run(forwards_around_an_edit):
+        assert r["gathers"] == [4, 0, 4, 4], r["gathers"]
+        assert r["gaps"] == [0.0] * 4, r["gaps"]

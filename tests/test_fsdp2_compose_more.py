@@ -565,11 +565,6 @@ def test_partial_group_forward_then_standalone(pool2, kind, reshard, tie, mp_mod
                 _close_grads(s["grads"], s["ref_grads"])
 
 
-TOGGLE_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="ours all-gathers the [norm, head] group again for the first standalone head call after a forward "
-    "that skipped the head, though the group does not reshard after forward: [[1, 0, 0, 0], ...] for [[0, 0, 0, 0], ...]",
-)
 
 
 @pytest.mark.parametrize(
@@ -580,7 +575,6 @@ TOGGLE_XFAIL = pytest.mark.xfail(
             tie,
             initial,
             id=f"{kind}-{'tied' if tie else 'untied'}-{'initial-reshard' if initial else 'no-initial-reshard'}",
-            marks=[TOGGLE_XFAIL] if kind == "ours" and not initial else [],
         )
         for kind in KINDS
         for tie in (False, True)
@@ -675,8 +669,8 @@ def test_train_parity_shard_placement_fn_shard_largest_dim(pool2, kind):
 
 PREFETCH_MULTI_XFAIL = pytest.mark.xfail(
     strict=True,
-    reason="ours, two forwards then one backward: each unit reduce-scatters once per forward (the root twice, "
-    "all-gathered again), and all-gathers a block twice in a row (AG layers.2, AG layers.2)",
+    reason="ours, two forwards then one backward: each unit reduce-scatters once per forward (each forward's gather "
+    "carries its own reduction); resharding after forward, it re-gathers each block per forward in backward",
 )
 
 
