@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.models import fully_shard_of
+from tests.test_fsdp2_compose_more import Stack3
 from tests.test_fsdp2_contract_more import AG, CollectiveLog
 
 STEPS = 3
@@ -49,21 +50,13 @@ class Block(nn.Module):
         return x + h
 
 
-class Stack(nn.Module):
-    """An in-projection, 3 blocks of distinct widths (each unit's all-gather has its own
-    size) and a head."""
+class Stack(Stack3):
+    """Upstream's 3-block stack (an in-projection, blocks of distinct widths, a head) with
+    the blocks above."""
 
     def __init__(self, inner: str | None = None) -> None:
         super().__init__()
-        self.proj = nn.Linear(8, 8)
         self.layers = nn.ModuleList(Block(8, h, inner) for h in (4, 8, 12))
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 def _save_matmuls():
