@@ -59,6 +59,7 @@ from fsdp_compile.base.compat import (
     is_functorch_wrapper,
     outside_recompute_modes,
     running_backward_id,
+    saved_tensors_go_to_other_hooks,
     saved_tensors_hooks_active,
 )
 from fsdp_compile.base.execution_mode import ExecutionMode
@@ -170,6 +171,16 @@ def gather_unit(unit: FSDPUnit) -> None:
         _keep_for_backward(to_gather)
     if len(unit.modules) > 1:
         _keep_for_the_units_other_modules(unit)
+
+
+def note_read(fsdp_param: FSDPParam) -> None:
+    """An eager read of a gathered parameter: where saved tensors go to hooks not ours
+    (activation checkpointing), the unit saves no gathered weight for its backward,
+    which will gather it anew; the backward of the unit after it then prefetches it
+    (:func:`_prefetch_regather_before`)."""
+    unit = fsdp_param.unit
+    if unit not in unit.eager.checkpointed and saved_tensors_go_to_other_hooks(_pack):
+        unit.eager.checkpointed.add(unit)
 
 
 def _keep_for_backward(gathered: list[FSDPParam]) -> None:
@@ -329,8 +340,8 @@ class _ForwardPrefetch:
         unit nested in another, the one before the outer unit)."""
         for order in reversed(self.orders.values()):
             for i in range(len(order) - 1, 0, -1):
-                if order[i] is unit:
-                    return order[i - 1]
+                if order[i] is unit:  # (a unit of several modules returns once per module)
+                    return next((other for other in reversed(order[:i]) if other is not unit), None)
         return None
 
     def drop_for_backward(self) -> None:
@@ -377,6 +388,8 @@ class EagerState:
     recompute_reads: dict[FSDPParam, torch.Tensor] = field(default_factory=dict)
     #: Units whose forward a backward re-ran (activation checkpointing): what a backward prefetches for.
     recomputed: set[FSDPUnit] = field(default_factory=set)
+    #: Units an eager forward read under saved-tensor hooks not ours (:func:`note_read`).
+    checkpointed: set[FSDPUnit] = field(default_factory=set)
     #: What forwards gathered for units that do not reshard after forward, with the shard's
     #: version then (:func:`_keep_for_backward`).
     forward_kept: dict[FSDPParam, tuple[torch.Tensor, tuple]] = field(default_factory=dict)
@@ -434,11 +447,12 @@ class EagerState:
 
     def reset(self) -> None:
         """What an aborted forward or backward of this root left: wait on and drop its
-        collectives in flight, forget its re-gather slots and close its forwards still
-        open (``FSDPModule.reset_iter_state``)."""
+        collectives in flight, forget its re-gather slots and what its forwards kept, and
+        close its forwards still open (``FSDPModule.reset_iter_state``)."""
         self.drop_left_by_a_backward_that_raised()
         self.forward_prefetch.drop_in_flight()
         self.open_slots.clear()
+        self.forward_kept.clear()
         forward_context.exit_all_owned_by(self)
         self.forward_depth = 0
 
@@ -661,6 +675,26 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
     rank issues the same collectives in the same order."""
     unit = slot.fsdp_param.unit
     if not config.eager_overlap:
+        return
+    state = unit.eager
+    # Units that saved no gathered weight (checkpointed: their backward re-runs their
+    # forward, which will gather them): prefetch that gather.
+    candidates = unit.backward_prefetches or [state.forward_prefetch.unit_before(unit)]
+    rerun = [
+        target
+        for target in candidates
+        if target is not None
+        and target in state.checkpointed
+        and target.frees_gathered_after_forward()
+        and not any(other.fsdp_param.unit is target for other in state.open_slots.values())
+        and (unit.backward_prefetches or prefetch_fits(unit, target))
+    ]
+    if rerun and call_at_end_of_backward(state.end_recompute):
+        for target in rerun:
+            for bucket in _prefetchable_buckets(target):
+                if not all(p in state.forward_kept or p in state.backward_gathered for p in bucket):
+                    state.forward_prefetch.issue(bucket, for_backward=True)
+    if rerun and not unit.backward_prefetches:
         return
     same_forward = [
         other for other in unit.eager.open_slots.values() if other.forward == slot.forward and other.fsdp_param.unit is not unit

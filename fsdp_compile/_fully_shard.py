@@ -686,6 +686,8 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
         # checkpointed region (a subgraph under compile) takes only this plain tensor.
         # (Held by unshard() and read in a sharded forward: gathered below, with autograd,
         # from the held tensor.)
+        if mode is not ExecutionMode.TRACED and state is ParamState.GATHERED:
+            _eager.note_read(fsdp_param)
         return _local_if_swapped(fsdp_param.gathered, module._parameters[name])
     if mode is ExecutionMode.TRACED and forward_context.frames and fsdp_param.traced_read_needs_local_view_only:
         fsdp_param.follow_requires_grad_when_traced()

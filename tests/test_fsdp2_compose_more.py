@@ -713,6 +713,98 @@ def test_fully_shard_backward_prefetch(pool2, kind, reshard, ac, multi_forward):
             assert it == expected, it
 
 
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.gelu(self.w1(x)))
+
+
+class _TransformerBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm, self.attention, self.feed_forward = nn.LayerNorm(dim), nn.Linear(dim, dim), _FeedForward(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm(x))
+        return x + self.feed_forward(x)
+
+
+class _Transformer(nn.Module):
+    """Upstream's test Transformer in small: token and position embeddings, 3 blocks
+    (each with a feed-forward whose ``w1`` becomes a unit of its own), norm and output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings, self.pos_embeddings = nn.Embedding(VOCAB, DIM), nn.Embedding(8, DIM)
+        self.layers = nn.ModuleList(_TransformerBlock(DIM) for _ in range(3))
+        self.norm, self.output = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1]))
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def backward_prefetch_inside_ac(kind: str) -> dict:
+    """The collectives of a backward, then of one after setting upstream's backward
+    prefetch hints (each block prefetches the block before it and that block's ``w1``),
+    and the gradients of each."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    fully_shard = fully_shard_of(kind)
+    torch.manual_seed(0)
+    model = _Transformer()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, _TransformerBlock))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, _FeedForward))
+    fully_shard([model.tok_embeddings, model.pos_embeddings])
+    for layer in model.layers:
+        fully_shard(layer.feed_forward.w1)  # upstream: mimics fully_shard(layer.moe.experts)
+        fully_shard(layer)
+    fully_shard([model.norm, model.output])
+    fully_shard(model)
+    (tokens,) = _tokens()
+    runs = []
+    for hints in (False, True):
+        if hints:
+            blocks = list(reversed(model.layers))
+            model.output.set_modules_to_backward_prefetch([blocks[0]])
+            for block, before in zip(blocks, [*blocks[1:], None], strict=True):
+                block.set_modules_to_backward_prefetch(
+                    [before, before.feed_forward.w1] if before is not None else [model.tok_embeddings]
+                )
+        loss = model(tokens).sum()
+        log = CollectiveLog()
+        with log:
+            loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        model.zero_grad()
+        runs.append({"backward": [(op, n) for op, _, n in log.events], "grads": grads})
+    return {"runs": runs}
+
+
+def both_backward_prefetch_inside_ac() -> dict:
+    return {kind: backward_prefetch_inside_ac(kind) for kind in ("fsdp2", "ours")}
+
+
+def test_set_modules_to_backward_prefetch_inside_ac(pool2):
+    """upstream: test_fully_shard_comm.py::TestFullyShardPrefetch::test_set_modules_to_backward_prefetch_inside_ac.
+    Adapted: 2 gloo ranks on CPU, a small Transformer of our own (torch's test Transformer
+    needs ``expecttest``); blocks and their feed-forwards in ``checkpoint_wrapper`` (as
+    upstream's ``apply_activation_checkpointing``), each block's ``w1`` a unit inside its
+    block; upstream's patched ``unshard``/``reshard`` events become the all-gathers and
+    reduce-scatters of each backward (by size: the blocks' are alike), compared with
+    FSDP2's on the same ranks, without and then with upstream's prefetch hints; the
+    gradients equal FSDP2's (not upstream)."""
+    for r in pool2.run(both_backward_prefetch_inside_ac):
+        for ours, fsdp2 in zip(r["ours"]["runs"], r["fsdp2"]["runs"], strict=True):
+            assert ours["backward"] == fsdp2["backward"]
+            _close(ours["grads"], fsdp2["grads"])
+
+
 # -- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts
 
 

@@ -359,6 +359,13 @@ def _frame_compile_callbacks(start: Callable[[], None], end: Callable[[], None])
     return on_start, on_end
 
 
+def saved_tensors_go_to_other_hooks(ours: Callable) -> bool:
+    """Whether the innermost saved-tensors hooks installed now are someone else's than
+    the ones whose pack function is ``ours`` (activation checkpointing's, a user's)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top[0] is not ours
+
+
 def saved_tensors_hooks_active() -> bool:
     """torch/csrc/autograd: whether some saved-tensors hooks (activation checkpointing's,
     a user's) are installed right now."""
@@ -713,6 +720,7 @@ __all__ = [
     "current_compile_attempt",
     "dynamo_graph_break_counts",
     "saved_tensors_hooks_active",
+    "saved_tensors_go_to_other_hooks",
     "allow_side_effects",
     "units_entered_in_this_trace",
     "is_compiled_module",
