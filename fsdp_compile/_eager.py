@@ -201,6 +201,13 @@ def _keep_for_backward(gathered: list[FSDPParam]) -> None:
             state.forward_kept[fsdp_param] = (fsdp_param.gathered.detach(), fsdp_param._shard_version())
 
 
+def forget_kept(unit: FSDPUnit) -> None:
+    """Drop what forwards kept of ``unit`` (``FSDPModule.reshard()``): its next forward gathers."""
+    kept = unit.eager.forward_kept
+    for fsdp_param in unit.params:
+        kept.pop(fsdp_param, None)
+
+
 def _kept_since_an_earlier_forward(bucket: list[FSDPParam]) -> list[torch.Tensor] | None:
     """What an earlier forward kept of ``bucket`` (:func:`_keep_for_backward`), if all of
     it is kept and no shard changed since (an optimizer step, a load): a second forward

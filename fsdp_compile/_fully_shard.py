@@ -191,9 +191,11 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
-        """Free the parameters gathered by :meth:`unshard`."""
+        """Free the parameters gathered by :meth:`unshard`, or kept since a forward
+        (``reshard_after_forward=False``; what autograd saved stays)."""
         for fsdp_param in self._fsdp_unit.params:
             fsdp_param.release()
+        _eager.forget_kept(self._fsdp_unit)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Gradient accumulation without communication, as FSDP2's.

@@ -167,11 +167,11 @@ def test_checkpointed_blocks_train_and_communicate_as_fsdp2(pool2, style, reshar
 
 
 def forwards_around_an_edit() -> dict:
-    """A model whose units do not reshard after forward: two forwards, an in-place edit of
-    every parameter, a third forward, then ``load_state_dict(assign=True)`` of the
-    reference's weights and a fourth; the all-gathers of each forward, and the outputs
-    beside the unsharded reference's."""
-    from fsdp_compile import fully_shard
+    """A model whose units do not reshard after forward: two forwards, ``reshard()`` of
+    every unit and a third, an in-place edit of every parameter and a fourth, then
+    ``load_state_dict(assign=True)`` of the reference's weights and a fifth; the
+    all-gathers of each forward, and the outputs beside the unsharded reference's."""
+    from fsdp_compile import FSDPModule, fully_shard
     from fsdp_compile.testing import full_parameters
 
     model = _checkpointed("composable")
@@ -190,6 +190,10 @@ def forwards_around_an_edit() -> dict:
         gaps.append((out - ref(x)).abs().max().item())
 
     forward()
+    forward()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     forward()
     with torch.no_grad():
         for p, r in zip(model.parameters(), ref.parameters(), strict=True):
@@ -210,8 +214,9 @@ def forwards_around_an_edit() -> dict:
 
 def test_a_unit_kept_after_forward_is_gathered_again_only_when_its_shards_change(pool2):
     """FSDP2's ``reshard_after_forward=False``: a second forward before any backward reads
-    what the first gathered; a forward after an in-place edit or an ``assign=True`` load
-    gathers anew and computes with the new weights (the reference's, exactly)."""
+    what the first gathered; one after ``reshard()`` gathers again, and one after an
+    in-place edit or an ``assign=True`` load gathers anew and computes with the new
+    weights (the reference's, exactly)."""
     for r in pool2.run(forwards_around_an_edit):
-        assert r["gathers"] == [4, 0, 4, 4], r["gathers"]
-        assert r["gaps"] == [0.0] * 4, r["gaps"]
+        assert r["gathers"] == [4, 0, 4, 4, 4], r["gathers"]
+        assert r["gaps"] == [0.0] * 5, r["gaps"]
