@@ -91,12 +91,10 @@ def pre_forward(unit: FSDPUnit, mode: ExecutionMode, args, kwargs):
         state.drop_left_by_a_backward_that_raised()
     try:
         gather_unit(unit)
-        if inside_compiled_call:
-            pass
-        elif running_backward_id() is not None:  # activation checkpointing re-runs it in backward
+        if not inside_compiled_call and running_backward_id() is not None:  # a checkpointing re-run
             with outside_recompute_modes():
                 prefetch_before_recompute(unit)
-        else:
+        elif not inside_compiled_call:
             state.forward_prefetch.gathered(unit, state.forward_depth)
     except BaseException:
         post_forward(unit)
@@ -434,7 +432,9 @@ class EagerState:
         if recompute:
             self.recomputed.add(unit)
         for kept in (self.backward_gathered, self.recompute_reads):
-            for fsdp_param in [p for p in kept if not _nested_in(unit, p.unit)]:
+            others = {p.unit for p in kept if p.unit is not unit}
+            apart = {other for other in others if not _nested_in(unit, other)}
+            for fsdp_param in [p for p in kept if p.unit in apart]:
                 del kept[fsdp_param]
         if call_at_end_of_backward(self.end_recompute):
             self.entered.add(unit)
@@ -561,12 +561,10 @@ def _backward_gather(bucket: list[FSDPParam]) -> list[torch.Tensor]:
         slot = state.open_slots.get(fsdp_param)
         if fsdp_param not in state.backward_gathered and slot is not None and slot.prefetched is not None:
             slot.prefetched.land()
-    forward_kept = {p: kept for p, (kept, _) in state.forward_kept.items()}
-    for source in (state.backward_gathered, forward_kept):
-        raws = [source.get(p) for p in bucket]
-        if all(raw is not None for raw in raws):
-            break
-    else:
+    raws = [state.backward_gathered.get(p) for p in bucket]
+    if any(raw is None for raw in raws):
+        raws = [state.forward_kept.get(p, (None,))[0] for p in bucket]
+    if any(raw is None for raw in raws):
         raws = [p.still_gathered() for p in bucket]  # held by unshard(), or kept after backward
         if any(raw is None for raw in raws):
             raws = gather_bucket_raw_without_autograd(bucket, state.forward_prefetch.take(bucket))
@@ -602,7 +600,6 @@ def prefetch_before_recompute(unit: FSDPUnit) -> None:
     gather of what it resharded after forward (its own recompute will read it). Waited
     on by its use, or at the end of the backward."""
     state = unit.eager
-    state.recomputed.add(unit)
     if not config.eager_overlap:
         return
     if unit.backward_prefetches:
@@ -617,10 +614,20 @@ def prefetch_before_recompute(unit: FSDPUnit) -> None:
                 for first in slots:
                     if _needs_regather(first) and regather_key(first.fsdp_param) is not None:
                         _RegatherInFlight.issue(_regather_bucket(first))
-        elif target.frees_gathered_after_forward() and call_at_end_of_backward(state.end_recompute):
-            for bucket in _prefetchable_buckets(target):
-                if not all(p in state.forward_kept or p in state.backward_gathered for p in bucket):
-                    state.forward_prefetch.issue(bucket, for_backward=True)
+        elif target.frees_gathered_after_forward():
+            _prefetch_gather_in_backward(target)
+
+
+def _prefetch_gather_in_backward(target: FSDPUnit) -> None:
+    """Issue the all-gather a re-run of ``target``'s forward in this backward will read
+    (buckets it has neither kept from its forward nor gathered already); waited on by
+    that re-run, or at the end of the backward."""
+    state = target.eager
+    if not call_at_end_of_backward(state.end_recompute):
+        return
+    for bucket in _prefetchable_buckets(target):
+        if not all(p in state.forward_kept or p in state.backward_gathered for p in bucket):
+            state.forward_prefetch.issue(bucket, for_backward=True)
 
 
 # ------------------------------------------------------- reshard after forward
@@ -696,11 +703,8 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
         and not any(other.fsdp_param.unit is target for other in state.open_slots.values())
         and (unit.backward_prefetches or prefetch_fits(unit, target))
     ]
-    if rerun and call_at_end_of_backward(state.end_recompute):
-        for target in rerun:
-            for bucket in _prefetchable_buckets(target):
-                if not all(p in state.forward_kept or p in state.backward_gathered for p in bucket):
-                    state.forward_prefetch.issue(bucket, for_backward=True)
+    for target in rerun:
+        _prefetch_gather_in_backward(target)
     if rerun and not unit.backward_prefetches:
         return
     same_forward = [
