@@ -35,6 +35,7 @@ its reference) never wait on, drop or serve each other's collectives, and
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,12 @@ from fsdp_compile._eager_buckets import (
     regather_key,
     shard_versions,
 )
-from fsdp_compile._eager_reduce import PendingReductions, call_at_end_of_backward, forget_end_of_backward_calls
+from fsdp_compile._eager_reduce import (
+    PendingReductions,
+    SharedReduction,
+    call_at_end_of_backward,
+    forget_end_of_backward_calls,
+)
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
@@ -139,6 +145,10 @@ def gather_unit(unit: FSDPUnit) -> None:
         # that was never unpacked; reusing it would serve a later backward its stale weight).
         unit.eager.open_slots.pop(fsdp_param, None)
         fsdp_param.notice_late_extension()
+    if to_gather:  # the gathered parameters' next slots are mates of a new gather
+        gathered = set(to_gather)
+        mates = unit.eager.slot_mates.pop(unit, {})
+        unit.eager.slot_mates[unit] = {p: slot for p, slot in mates.items() if p not in gathered}
     extension = [p for p in to_gather if p.extension]
     if len(extension) > 1:
         gather_extension_bucket(extension)
@@ -379,6 +389,11 @@ class EagerState:
     forward_prefetch: _ForwardPrefetch = field(default_factory=_ForwardPrefetch)
     #: Per parameter, the re-gather slot its saved views share (see :class:`RegatherSlot`).
     open_slots: dict[FSDPParam, RegatherSlot] = field(default_factory=dict)
+    #: Per unit, the slots its last forward gather opened (:attr:`RegatherSlot.mates`).
+    slot_mates: dict[FSDPUnit, dict[FSDPParam, RegatherSlot]] = field(default_factory=dict)
+    #: Every slot with saved views still packed, of any forward, by creation order (a
+    #: slot goes with the graph that holds it).
+    live_slots: weakref.WeakValueDictionary[int, RegatherSlot] = field(default_factory=weakref.WeakValueDictionary)
     #: Prefetched re-gathers of the running backward, not yet used.
     regathers_in_flight: list[_RegatherInFlight] = field(default_factory=list)
     #: Deferred reduce-scatters of the running backward(s).
@@ -401,9 +416,20 @@ class EagerState:
 
     #: Units the running backward entered (:meth:`entering_backward_of`).
     entered: set[FSDPUnit] = field(default_factory=set)
+    #: Per bucket (its parameters), the gathers of its forwards since its last backward,
+    #: whose gradients are reduced once (:class:`SharedReduction`).
+    shared_reductions: dict[tuple[FSDPParam, ...], SharedReduction] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.reductions.at_end_of_backward = self.drop_kept_after_reduction
+
+    def shared_reduction(self, bucket: list[FSDPParam]) -> SharedReduction:
+        """The :class:`SharedReduction` of the bucket of these parameters."""
+        key = tuple(bucket)
+        shared = self.shared_reductions.get(key)
+        if shared is None:
+            shared = self.shared_reductions[key] = SharedReduction([p.fqn for p in bucket])
+        return shared
 
     def drop_kept_after_reduction(self) -> None:
         """A backward that reduced gradients of this root ended: drop what forwards kept for
@@ -459,6 +485,8 @@ class EagerState:
         self.drop_left_by_a_backward_that_raised()
         self.forward_prefetch.drop_in_flight()
         self.open_slots.clear()
+        self.slot_mates.clear()
+        self.live_slots.clear()
         self.forward_kept.clear()
         forward_context.exit_all_owned_by(self)
         self.forward_depth = 0
@@ -646,9 +674,23 @@ def _regather(slot: RegatherSlot) -> None:
             slot.full = slot.fsdp_param.gather_without_autograd()
         else:
             fsdp_params = [s.fsdp_param for s in bucket]
-            for other, raw in zip(bucket, _backward_gather(fsdp_params), strict=True):
+            raws = _backward_gather(fsdp_params)
+            if _root_saved_by_another_forward(slot):
+                slot.fsdp_param.unit.eager.backward_gathered.update(zip(fsdp_params, raws, strict=True))
+            for other, raw in zip(bucket, raws, strict=True):
                 other.full = other.fsdp_param._for_compute(raw)
     _prefetch_regather_before(slot)
+
+
+def _root_saved_by_another_forward(slot: RegatherSlot) -> bool:
+    """Whether ``slot`` is the root's and another forward's slots of the root are still
+    to be unpacked (several forwards before one backward): the re-gather then serves
+    them too, until the backward ends, as FSDP2's root stays unsharded until its
+    post-backward in the final callback."""
+    unit = slot.fsdp_param.unit
+    return unit.is_root and any(
+        other.fsdp_param.unit is unit and other.mates is not slot.mates for other in list(unit.eager.live_slots.values())
+    )
 
 
 def _needs_regather(slot: RegatherSlot) -> bool:
@@ -665,14 +707,14 @@ def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
     key = regather_key(slot.fsdp_param)
     if key is None:
         return [slot]
-    unit_slots = slot.fsdp_param.unit.eager.open_slots
+    mates = slot.mates or {}
     bucket = []
     for fsdp_param in slot.fsdp_param.unit.params:
         if fsdp_param is slot.fsdp_param:
             bucket.append(slot)
         elif fsdp_param.owner is not None and regather_key(fsdp_param) == key:
-            other = unit_slots.get(fsdp_param)
-            useful = other is not None and _needs_regather(other)
+            other = mates.get(fsdp_param)
+            useful = other is not None and other.pending > 0 and _needs_regather(other)
             bucket.append(other if useful else RegatherSlot(fsdp_param, forward=slot.forward))
     return bucket
 
@@ -707,8 +749,9 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
         _prefetch_gather_in_backward(target)
     if rerun and not unit.backward_prefetches:
         return
+    # (Another gather of the same unit counts: a unit called twice is re-gathered for each call.)
     same_forward = [
-        other for other in unit.eager.open_slots.values() if other.forward == slot.forward and other.fsdp_param.unit is not unit
+        other for other in list(state.live_slots.values()) if other.forward == slot.forward and other.mates is not slot.mates
     ]
     if unit.backward_prefetches:  # in the list's order, as FSDP2 issues them
         order = unit.backward_prefetches
@@ -718,9 +761,11 @@ def _prefetch_regather_before(slot: RegatherSlot) -> None:
         )
     else:
         earlier = [other for other in same_forward if other.seq < slot.seq]
-        upcoming = max(earlier, key=lambda other: other.seq).fsdp_param.unit if earlier else None
-        fits = upcoming is not None and prefetch_fits(unit, upcoming)
-        targets = [other for other in earlier if other.fsdp_param.unit is upcoming and _needs_regather(other)] if fits else []
+        latest = max(earlier, key=lambda other: other.seq) if earlier else None
+        fits = latest is not None and prefetch_fits(unit, latest.fsdp_param.unit)
+        # (The slots of the upcoming unit's gather that packed last: a unit called twice
+        # has the slots of each call.)
+        targets = [other for other in earlier if other.mates is latest.mates and _needs_regather(other)] if fits else []
     if not targets or not call_at_end_of_backward(unit.eager.drop_regathers_in_flight):
         return
     for first in targets:
@@ -770,6 +815,8 @@ class RegatherSlot:
 
     fsdp_param: FSDPParam
     pending: int = 0
+    #: Saved views packed (a retained graph's next backward unpacks them all again).
+    packed: int = 0
     full: torch.Tensor | None = None
     #: Its re-gather, issued ahead by the backward of the unit after it.
     prefetched: _RegatherInFlight | None = None
@@ -780,6 +827,9 @@ class RegatherSlot:
     #: ``reshard_after_forward=<int>``: the block kept after forward to re-gather from
     #: over the smaller group (``None``: re-gather from the shard).
     post_forward_shard: torch.Tensor | None = None
+    #: The slots of the same forward gather of its unit, by parameter: one re-gather fills
+    #: them together, whichever forward they came from (several before one backward).
+    mates: dict[FSDPParam, RegatherSlot] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -849,10 +899,23 @@ def _pack(t: torch.Tensor):
     slot = state.open_slots.get(fsdp_param)
     if slot is None or slot.pending == 0:
         slot = state.open_slots[fsdp_param] = RegatherSlot(fsdp_param, forward=state.forward_prefetch.forwards)
+        slot.mates = state.slot_mates.setdefault(fsdp_param.unit, {})
+        slot.mates[fsdp_param] = state.live_slots[slot.seq] = slot
         if fsdp_param.unit.reshard_to is not None:
             slot.post_forward_shard = fsdp_param.post_forward_shard()
     slot.pending += 1
+    slot.packed += 1
     return _SavedView(slot, t.size(), t.stride(), t.storage_offset())
+
+
+def _rearm(slot: RegatherSlot) -> None:
+    """Open ``slot`` and its mates, drained by an earlier backward over the same retained
+    graph, for one more backward: one re-gather fills them again."""
+    live = slot.fsdp_param.unit.eager.live_slots
+    for mate in {id(m): m for m in [slot, *(slot.mates or {}).values()]}.values():
+        if mate.pending == 0 and mate.packed > 0 and mate.full is None:
+            mate.pending = mate.packed
+            live[mate.seq] = mate
 
 
 @torch.compiler.disable
@@ -860,6 +923,8 @@ def _unpack(packed):
     if not isinstance(packed, _SavedView):
         return packed
     slot = packed.slot
+    if slot.pending == 0:  # a backward over a retained graph: its views are unpacked again
+        _rearm(slot)
     if slot.full is None:
         if slot.post_forward_shard is None:
             _regather(slot)
@@ -871,6 +936,7 @@ def _unpack(packed):
     slot.pending -= 1
     if slot.pending == 0:
         slot.full = slot.post_forward_shard = None
+        slot.fsdp_param.unit.eager.live_slots.pop(slot.seq, None)
         open_slots = slot.fsdp_param.unit.eager.open_slots
         if open_slots.get(slot.fsdp_param) is slot:
             del open_slots[slot.fsdp_param]

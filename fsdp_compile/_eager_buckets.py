@@ -83,8 +83,11 @@ def bucket_fulls_with_grad(
                 [s.detach() for s in shards], specs, in_flight, accumulators=accumulators, kept=kept
             )
         pendings = [None if p._grad_accumulator is None else p.claim_accumulated(p._grad_accumulator) for p in fsdp_params]
-        deliver = first.unit.eager.reductions.deliverer(shards) if defers_reduction(shards) else None
-        return gather_bucket_with_grad_sync(
+        state = first.unit.eager
+        deliver = state.reductions.deliverer(shards) if defers_reduction(shards) else None
+        # (Deferred reductions only: compiled autograd, which needs them off, traces the backward.)
+        shared = state.shared_reduction(fsdp_params) if deliver is not None else None
+        fulls = gather_bucket_with_grad_sync(
             [s.detach() for s in shards] if deliver is not None else shards,
             specs,
             in_flight,
@@ -92,7 +95,11 @@ def bucket_fulls_with_grad(
             first.unit.reduce_scatter_unused_params,
             pendings,
             kept=kept,
+            shared=shared,
         )
+        if shared is not None and fulls[0].grad_fn is not None:
+            shared.register(fulls[0].grad_fn)
+        return fulls
 
 
 def issue_bucket_gather(fsdp_params: list[FSDPParam], role: Role = Role.UNSHARD) -> AllGatherInFlight:

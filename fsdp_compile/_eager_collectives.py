@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_compile.base.compat import NO_ANNOTATION, annotating, c10d_functional, fx_annotate
+from fsdp_compile.base.compat import NO_ANNOTATION, annotating, c10d_functional, fx_annotate, in_compiled_autograd
 from fsdp_compile.runtime.bucket_copies import all_gather_copy_in, reduce_scatter_copy_in, sum_received_slices
 from fsdp_compile.runtime.collectives import (
     CollectiveSpec,
@@ -163,7 +163,7 @@ def _all_reduce_bucket(shards: list[torch.Tensor], reduce_op: str, group_name: s
 
 
 #: How many arguments of :class:`_GatherBucketWithGradSync` come before its tensors.
-_OPTIONS = 7
+_OPTIONS = 8
 
 #: The one input that makes a deferred bucket's outputs require grad: its shards go in
 #: detached (their gradients reach the parameters later, see ``deliver``).
@@ -196,6 +196,7 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
         pendings: tuple[torch.Tensor | None, ...] | None,
         n_accumulators: int,
         kept: tuple[torch.Tensor, ...] | None,
+        shared,
         *tensors,
     ):
         if kept is not None:  # still gathered (reshard_after_backward=False, unshard()): no all-gather
@@ -208,11 +209,11 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         # (A ``setup_context`` of its own: ``torch.func`` transforms, ``jvp`` among them, need it.)
-        specs, _, deliver, reduce_unused, pendings, n_accumulators, _, *tensors = inputs
+        specs, _, deliver, reduce_unused, pendings, n_accumulators, _, shared, *tensors = inputs
         shards = tensors[1 if deliver is not None else 0 : len(tensors) - n_accumulators]
         ctx.specs, ctx.deliver, ctx.shard_dtypes, ctx.n_tensors = specs, deliver, [s.dtype for s in shards], len(tensors)
         ctx.reduce_unused, ctx.device = reduce_unused, shards[0].device
-        ctx.pendings, ctx.accumulates = pendings, n_accumulators > 0
+        ctx.pendings, ctx.accumulates, ctx.shared = pendings, n_accumulators > 0, shared
         ctx.first_shard = 1 if deliver is not None else 0
         ctx.set_materialize_grads(False)  # an unused member's gradient stays None
 
@@ -241,6 +242,10 @@ class _GatherBucketWithGradSync(torch.autograd.Function):
                 g if pending is None else pending if g is None else g.to(pending.dtype) + pending
                 for g, pending in zip(grads, ctx.pendings, strict=True)
             )
+        if ctx.shared is not None and not in_compiled_autograd():  # several forwards' gathers: the last reduces the sum
+            grads = ctx.shared.arrive(grads)
+            if grads is None:
+                return (None,) * (_OPTIONS + ctx.n_tensors)
         if ctx.reduce_unused:
             grads = tuple(
                 g if g is not None else torch.zeros(spec.layout.full_shape, dtype=first.param_dtype or dtype, device=ctx.device)
@@ -272,6 +277,7 @@ def gather_bucket_with_grad_sync(
     pendings: list[torch.Tensor | None] | None = None,
     accumulators: list[torch.Tensor] | None = None,
     kept: list[torch.Tensor] | None = None,
+    shared=None,
 ) -> list[torch.Tensor]:
     """The full tensors (dim 0 first) of ``shards``, whose specs share one
     :func:`bucket_key`, with one all-gather; their gradients are reduced back with
@@ -288,13 +294,14 @@ def gather_bucket_with_grad_sync(
     reduction; with ``accumulators`` (one leaf per member, gradient sync off) the
     gradients go to their ``.grad`` and nothing is reduced. ``kept``: the members' full
     tensors still gathered (dim 0 first), returned instead of gathering, with the same
-    backward."""
+    backward. ``shared``: the bucket's :class:`~fsdp_compile._eager_reduce.SharedReduction`,
+    which sums the gradients of its gathers in several forwards before reducing them once."""
     tensors = (_GRAD_ANCHOR, *shards) if deliver is not None else tuple(shards)
     accumulators = tuple(accumulators or ())
     kept = None if kept is None else tuple(kept)
     pendings = tuple(pendings) if pendings is not None and any(p is not None for p in pendings) else None
     return list(
         _GatherBucketWithGradSync.apply(
-            tuple(specs), in_flight, deliver, reduce_unused, pendings, len(accumulators), kept, *tensors, *accumulators
+            tuple(specs), in_flight, deliver, reduce_unused, pendings, len(accumulators), kept, shared, *tensors, *accumulators
         )
     )

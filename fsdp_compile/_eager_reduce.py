@@ -19,7 +19,9 @@ the next eager forward waits on and drops them (their gradients never reach ``.g
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +29,12 @@ import torch
 
 from fsdp_compile._eager_collectives import ReduceScatterInFlight
 from fsdp_compile.base import config
-from fsdp_compile.base.compat import in_compiled_autograd, queue_end_of_backward_callback, running_backward_id
+from fsdp_compile.base.compat import (
+    in_compiled_autograd,
+    queue_end_of_backward_callback,
+    running_backward_id,
+    will_run_in_this_backward,
+)
 
 
 def defers_reduction(shards: list[torch.Tensor]) -> bool:
@@ -84,6 +91,69 @@ def forget_end_of_backward_calls(owner: object) -> None:
 
 
 # ------------------------------------------------------------ the reductions
+
+
+class SharedReduction:
+    """One bucket's gradients from every forward since its last backward, reduced once.
+
+    Two forwards before one backward (a loss summed over two calls of the model, a
+    module called twice) gather a bucket twice, each gather its own autograd node. As
+    FSDP2's unsharded parameters accumulate both uses' gradients before its one
+    post-backward reduce-scatter, each node hands its gradients here: the running
+    backward's last node of the bucket to execute gets their sum and reduces it, the
+    others reduce nothing. Which nodes will execute is asked of autograd itself when
+    the first one arrives (a forward whose output never reaches this loss is not waited
+    for), per backward (a reentrant checkpoint's inner backward counts its own)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names  # the bucket's parameters, for an error
+        self._nodes: list[weakref.ref] = []
+        self._reduced = False  # a backward reduced since the last forward registered a node
+        self._arrivals: dict[int, list] = {}  # per backward: [nodes expected, arrived, summed grads]
+
+    def register(self, node) -> None:
+        """A forward gathered the bucket; ``node`` is its gather's autograd node."""
+        if self._reduced:  # a new step: the nodes of the last one are done with
+            self._nodes, self._reduced = [], False
+        self._nodes = [ref for ref in self._nodes if ref() is not None]
+        self._nodes.append(weakref.ref(node))
+
+    def arrive(self, grads: tuple) -> tuple | None:
+        """The gradients of one gather's outputs (``None`` where unused); their sum with
+        the earlier arrivals' if this is the last expected in the running backward, else
+        ``None`` (held here)."""
+        backward = running_backward_id()
+        if backward is None:
+            return grads
+        entry = self._arrivals.get(backward)
+        if entry is None:
+            nodes = [n for n in (ref() for ref in self._nodes) if n is not None]
+            expected = max(1, sum(will_run_in_this_backward(n) for n in nodes))
+            entry = self._arrivals[backward] = [expected, 0, None]
+            call_at_end_of_backward(functools.partial(self._check_reduced, backward))
+        entry[1] += 1
+        total = entry[2]
+        entry[2] = (
+            grads
+            if total is None
+            else tuple(g if t is None else t if g is None else t + g for t, g in zip(total, grads, strict=True))
+        )
+        if entry[1] < entry[0]:
+            return None
+        del self._arrivals[backward]
+        self._reduced = True
+        return entry[2]
+
+    def _check_reduced(self, backward: int) -> None:
+        """End of a backward: a sum still held would be gradients silently lost."""
+        entry = self._arrivals.pop(backward, None)
+        if entry is not None:
+            raise RuntimeError(
+                f"fsdp_compile: the gradients of {', '.join(self.names)} from {entry[1]} of {entry[0]} "
+                "forwards reached the end of the backward without being reduced (autograd did not run "
+                "every gather it said it would); please report this with the model, and set "
+                "fsdp_compile.config.eager_overlap = False to reduce once per forward meanwhile"
+            )
 
 
 @dataclass(eq=False)

@@ -651,6 +651,11 @@ def running_backward_id() -> int | None:
     return None if task == -1 else task
 
 
+def will_run_in_this_backward(node) -> bool:
+    """Whether the running backward will execute autograd ``node`` (call only inside a backward)."""
+    return bool(torch._C._will_engine_execute_node(node))
+
+
 def in_compiled_autograd() -> bool:
     """Whether compiled autograd is tracing the running backward (``torch._dynamo.compiled_autograd``)."""
     from torch._dynamo import compiled_autograd
