@@ -15,6 +15,7 @@ from fsdp_compile.base import config
 from fsdp_compile.passes.bucketing import bucket_collectives
 from fsdp_compile.passes.cost_model import simulate
 from fsdp_compile.passes.reordering import reorder_for_overlap
+from fsdp_compile.passes.repeated_reads import sum_gradients_before_reducing
 
 
 def bucket_cap_bytes(graph: fx.Graph) -> int | None:
@@ -27,10 +28,12 @@ def bucket_cap_bytes(graph: fx.Graph) -> int | None:
 
 
 def schedule_collectives(graph: fx.Graph, cap_bytes: int | None, after_each: Callable[[str], None] = lambda stage: None) -> None:
-    """Bucketing (buckets of at most ``cap_bytes``, ``None``: one per unit) then
-    reordering, each if enabled in the config; ``after_each`` is called with
-    ``"1_bucketing"`` / ``"2_reordering"`` after each pass that ran."""
+    """Bucketing (a parameter read more than once reduced once, then buckets of at most
+    ``cap_bytes``, ``None``: one per unit) then reordering, each if enabled in the config;
+    ``after_each`` is called with ``"1_bucketing"`` / ``"2_reordering"`` after each pass
+    that ran."""
     if config.bucketing:
+        sum_gradients_before_reducing(graph)
         split = config.split_unit_min_mb
         bucket_collectives(graph, cap_bytes, None if split is None else int(split * 2**20))
         after_each("1_bucketing")

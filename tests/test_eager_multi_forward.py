@@ -149,3 +149,64 @@ def test_several_forwards_reduce_once_per_unit_as_fsdp2(pool2, scenario, reshard
         assert gathers == fsdp2_gathers
         if scenario in ("two-forwards", "a-forward-left-unused") or scenario == "block-called-twice" and not checkpointed:
             assert o["backwards"] == f["backwards"]  # and in FSDP2's order
+
+
+# ----------------------------------------------------------- compiled, for comparison
+
+
+def compiled_block_called_twice() -> dict:
+    """The stack whose middle block runs twice, eager and compiled (our passes on
+    ``aot_eager``, bitwise eager's on 2 ranks): 3 Adam steps' losses and gradients, and
+    the compiled backward's reduce-scatters after bucketing, as (how many, parameters
+    reduced in all)."""
+    from fsdp_compile import fully_shard
+    from fsdp_compile.passes import registration
+    from fsdp_compile.runtime.vocabulary import our_collectives
+
+    reduce_scatters = []
+    lower = registration.lower_to_all_to_all
+
+    def counting(graph, *args, **kwargs):
+        found = our_collectives(graph, "reduce_scatter")
+        if found:
+            reduce_scatters.append((len(found), sum(c.tag.bucket_size for c in found)))
+        return lower(graph, *args, **kwargs)
+
+    def train(backend: str | None) -> dict:
+        torch._dynamo.reset()
+        model = _model("block-called-twice", False)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses, grads = [], []
+        for _ in range(STEPS):
+            loss = F.mse_loss(run(torch.randn(4, 8, generator=g)), torch.zeros(4, 3))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        return {"losses": torch.stack(losses), "grads": grads, "params": len(list(model.parameters()))}
+
+    registration.lower_to_all_to_all = counting
+    try:
+        compiled = train("aot_eager_passes")
+    finally:
+        registration.lower_to_all_to_all = lower
+    return {"eager": train(None), "compiled": compiled, "reduce_scatters": reduce_scatters}
+
+
+def test_a_block_called_twice_is_reduce_scattered_once_compiled(pool2):
+    """Compiled, each read of the twice-called block's parameters traced its own
+    reduce-scatter (bucketed together: twice the block's bytes); their gradients are now
+    summed before one, as eager sums them: 4 units, 4 reduce-scatters, eager's numbers
+    bit for bit."""
+    for r in pool2.run(compiled_block_called_twice):
+        assert r["reduce_scatters"] == [(4, r["compiled"]["params"])]  # was 4 holding 6 more
+        torch.testing.assert_close(r["compiled"]["losses"], r["eager"]["losses"], rtol=0, atol=0)
+        for c, e in zip(r["compiled"]["grads"], r["eager"]["grads"], strict=True):
+            for name in e:
+                torch.testing.assert_close(c[name], e[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -962,3 +962,44 @@ def test_restore_backward_tags_gives_gradient_reductions_their_roles():
     assert tag_of(nodes["reduce_scatter"]).param_fqn == "layers.0.w"
     assert [n.name for n in graph.nodes] == order
     assert restore_backward_tags(graph) == 0  # gradient tags present: nothing to restore
+
+
+def _graph_reading_a_parameter_three_times() -> fx.GraphModule:
+    """A backward-like graph: ``w``'s gradient reduce-scattered three times (three reads of
+    ``w`` in one step), the results added as autograd adds them; ``v`` (same shape, another
+    parameter) reduced once and added to ``w``'s sum, which must not be merged."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile.passes.graph_utils import emit
+
+    g, mode = fx.Graph(), FakeTensorMode()
+    grads = [g.placeholder(f"g{i}") for i in range(4)]
+    for node in grads:
+        with mode:
+            node.meta["val"] = torch.empty(4, 3)
+
+    def reduced(grad, param):
+        tag = CollectiveTag(Role.REDUCE_GRAD, param, "layers.0", True)
+        rs = emit(g, c10d_functional.reduce_scatter_tensor.default, (grad, "avg", 2, "0"), tag=tag)
+        return emit(g, c10d_functional.wait_tensor.default, (rs,), tag=tag)
+
+    w = [reduced(grads[i], "w") for i in range(3)]
+    w_sum = emit(g, aten.add.Tensor, (emit(g, aten.add.Tensor, (w[0], w[1])), w[2]))
+    v = reduced(grads[3], "v")
+    g.output((w_sum, emit(g, aten.add.Tensor, (w_sum, v))))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_parameter_read_three_times_is_reduce_scattered_once():
+    from fsdp_compile.passes.repeated_reads import sum_gradients_before_reducing
+
+    gm = _graph_reading_a_parameter_three_times()
+    inputs = [torch.randn(4, 3) for _ in range(4)]
+    before = _run_as_rank_0_of_identical_ranks(gm, *inputs)
+    assert sum_gradients_before_reducing(gm.graph) == 2
+    gm.graph.lint()
+    gm.recompile()
+    assert [(c.tag.param_fqn, c.kind) for c in our_collectives(gm.graph)] == [("w", "reduce_scatter"), ("v", "reduce_scatter")]
+    for b, a in zip(before, _run_as_rank_0_of_identical_ranks(gm, *inputs), strict=True):
+        torch.testing.assert_close(a, b)
+    assert sum_gradients_before_reducing(gm.graph) == 0  # nothing left to merge
