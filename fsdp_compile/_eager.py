@@ -169,7 +169,7 @@ def gather_unit(unit: FSDPUnit) -> None:
                 fsdp_param._note_gathered(full)
             continue
         prefetched = state.forward_prefetch.take(bucket) if key is not None else None
-        if prefetched is not None or (key is not None and len(bucket) > 1):
+        if prefetched is not None or key is not None:
             gather_bucket(bucket, prefetched)
         else:
             for fsdp_param in bucket:

@@ -61,8 +61,8 @@ def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
 class AllGatherInFlight:
     """A bucket's all-gather, issued and not yet waited on (eager prefetch: the next
     unit's gather runs while this one computes). :meth:`wait` returns the
-    full tensors (dim 0 first), each with its own storage; every issued all-gather must
-    be waited on once."""
+    full tensors (dim 0 first), each with its own storage (a bucket of one: the
+    collective's output); every issued all-gather must be waited on once."""
 
     gathered: torch.Tensor  # the collective's output, written asynchronously
     layouts: list[ShardLayout]
@@ -71,6 +71,9 @@ class AllGatherInFlight:
     def wait(self) -> list[torch.Tensor]:
         gathered = c10d_functional.wait_tensor(self.gathered).view(self.dtype)
         world_size = self.layouts[0].world_size
+        if len(self.layouts) == 1:  # one member: its rank-major rows are the buffer itself
+            (layout,) = self.layouts
+            return [gathered.view(world_size * layout.rows_per_rank, *layout.full_shape[1:])[: layout.dim0]]
         padded = [layout.padded_numel for layout in self.layouts]
         # Copy-out: one op fills every member's padded full tensor (rank-major rows).
         padded_fulls = [

@@ -26,7 +26,7 @@ from tests.test_eager_checkpointing import Stack
 from tests.test_fsdp2_contract_more import AG, CollectiveLog
 
 STEPS = 3
-SCENARIOS = ["two-forwards", "block-called-twice", "a-forward-left-unused", "backward-twice", "accumulate"]
+SCENARIOS = ["two-forwards", "block-called-twice", "a-forward-left-unused", "backward-twice", "accumulate", "one-parameter-unit"]
 
 
 class StackWithTwiceCalledBlock(Stack):
@@ -44,6 +44,8 @@ def _model(scenario: str, checkpointed: bool) -> nn.Module:
 
     torch.manual_seed(0)
     model = StackWithTwiceCalledBlock() if scenario == "block-called-twice" else Stack()
+    if scenario == "one-parameter-unit":  # a unit of one parameter (an embedding's), gathered alone
+        model.proj = nn.Linear(8, 8, bias=False)
     if checkpointed:
         model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
     return model
@@ -54,12 +56,17 @@ def train_multi_forward(kind: str, scenario: str, reshard: bool, checkpointed: b
     each backward (``AG``/``RS`` and the unit, told apart by size)."""
     fully_shard = fully_shard_of(kind)
     model = _model(scenario, checkpointed)
+    units = [("root", model), *[(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]]
+    if scenario == "one-parameter-unit":
+        units.append(("proj", model.proj))
+        fully_shard(model.proj, reshard_after_forward=reshard)
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     sizes = {}
-    for name, unit in [("root", model), *[(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]]:
-        own = [p for n, p in unit.named_parameters() if unit is not model or not n.startswith("layers.")]
+    for name, unit in units:
+        others = [f"{other}." for other, _ in units if other != "root"]
+        own = [p for n, p in unit.named_parameters() if unit is not model or not n.startswith(tuple(others))]
         sizes[sum(-(-p.numel() // 2) * 2 if p.ndim == 1 else -(-p.shape[0] // 2) * 2 * p[0].numel() for p in own)] = name
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -76,8 +83,8 @@ def train_multi_forward(kind: str, scenario: str, reshard: bool, checkpointed: b
         losses.append(loss.detach())
 
     for _ in range(STEPS):
-        if scenario in ("two-forwards", "block-called-twice"):
-            backward(loss_of(2 if scenario == "two-forwards" else 1))
+        if scenario in ("two-forwards", "block-called-twice", "one-parameter-unit"):
+            backward(loss_of(1 if scenario == "block-called-twice" else 2))
         elif scenario == "a-forward-left-unused":
             loss_of(1)  # with autograd, never run backward
             backward(loss_of(1))
@@ -104,7 +111,7 @@ CASES = [
     for scenario in SCENARIOS
     for reshard in (True, False)
     for checkpointed in (False, True)
-    if not (checkpointed and scenario == "backward-twice")  # a checkpoint's recompute runs once
+    if not (checkpointed and scenario in ("backward-twice", "one-parameter-unit"))  # (a checkpoint's recompute runs once)
 ]
 
 
@@ -123,16 +130,26 @@ def test_several_forwards_reduce_once_per_unit_as_fsdp2(pool2, scenario, reshard
                 torch.testing.assert_close(og[name], fg[name], msg=lambda m, s=step, n=name: f"step {s} {n}: {m}")
         reductions = [[e for e in b if e.startswith("RS")] for b in o["backwards"]]
         fsdp2_reductions = [[e for e in b if e.startswith("RS")] for b in f["backwards"]]
+        if scenario == "one-parameter-unit":
+            # (FSDP2 reduces the first unit, whose input needs no gradient, in its final
+            # callback, after the root; ours when its gradient is ready.)
+            reductions, fsdp2_reductions = [sorted(b) for b in reductions], [sorted(b) for b in fsdp2_reductions]
         if scenario == "accumulate":
             # FSDP2's synced backward reduce-scatters each block twice: its first pass through
             # a block reduces the gradient the micro-batch without sync accumulated, the
             # second the rest. Ours reduces their sum once, in FSDP2's order.
             fsdp2_reductions = [[e for i, e in enumerate(b) if e not in b[:i]] for b in fsdp2_reductions]
         assert reductions == fsdp2_reductions
-        # One reduce-scatter per unit in every synced backward (4 units), none without sync.
+        # One reduce-scatter per unit in every synced backward, none without sync.
+        units = 5 if scenario == "one-parameter-unit" else 4
         synced = [len(b) for i, b in enumerate(reductions) if scenario != "accumulate" or i % 2 == 1]
-        assert synced == [4] * len(synced), reductions
+        assert synced == [units] * len(synced), reductions
         gathers = [[e for e in b if e.startswith("AG")] for b in o["backwards"]]
+        if scenario == "one-parameter-unit":
+            # (Ours gathers the first unit in backward only where its gradient needs it.)
+            fsdp2_gathers = [[e for e in b if e.startswith("AG")] for b in f["backwards"]]
+            assert all(len(a) <= len(b) for a, b in zip(gathers, fsdp2_gathers, strict=True)), gathers
+            continue
         if not reshard:  # ours gathers nothing in backward: the forwards kept the units gathered
             assert gathers == [[]] * len(gathers), gathers
             continue
@@ -147,7 +164,7 @@ def test_several_forwards_reduce_once_per_unit_as_fsdp2(pool2, scenario, reshard
             # backward); FSDP2 reshards it after the second call's backward and gathers it again.
             fsdp2_gathers = [[e for i, e in enumerate(b) if not (e == "AG layers.1" and b[i - 1] == e)] for b in fsdp2_gathers]
         assert gathers == fsdp2_gathers
-        if scenario in ("two-forwards", "a-forward-left-unused") or scenario == "block-called-twice" and not checkpointed:
+        if scenario in ("two-forwards", "a-forward-left-unused") or (scenario == "block-called-twice" and not checkpointed):
             assert o["backwards"] == f["backwards"]  # and in FSDP2's order
 
 
