@@ -143,15 +143,20 @@ def _case_id(style: str, reshard: bool, accumulate: bool, policy: str | None) ->
     return "-".join([style, "reshard" if reshard else "no-reshard", *(["accumulate"] if accumulate else []), *filter(None, [policy])])
 
 
+def assert_trains_as_fsdp2(ours: dict, fsdp2: dict) -> None:
+    """The same losses, and the same gradients every step, as FSDP2's run."""
+    torch.testing.assert_close(ours["losses"], fsdp2["losses"])
+    for step, (og, fg) in enumerate(zip(ours["grads"], fsdp2["grads"], strict=True)):
+        assert og.keys() == fg.keys()
+        for name in og:
+            torch.testing.assert_close(og[name], fg[name], msg=lambda m, s=step, n=name: f"step {s} {n}: {m}")
+
+
 @pytest.mark.parametrize(("style", "reshard", "accumulate", "policy"), [pytest.param(*c, id=_case_id(*c)) for c in CASES])
 def test_checkpointed_blocks_train_and_communicate_as_fsdp2(pool2, style, reshard, accumulate, policy):
     for r in pool2.run(both, style, reshard, accumulate, policy):
         o, f = r["ours"], r["fsdp2"]
-        torch.testing.assert_close(o["losses"], f["losses"])
-        for step, (og, fg) in enumerate(zip(o["grads"], f["grads"], strict=True)):
-            assert og.keys() == fg.keys()
-            for name in og:
-                torch.testing.assert_close(og[name], fg[name], msg=lambda m, s=step, n=name: f"step {s} {n}: {m}")
+        assert_trains_as_fsdp2(o, f)
         if style != "inner-reentrant":
             assert o["backwards"] == f["backwards"]
             continue
