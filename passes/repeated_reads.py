@@ -1,11 +1,12 @@
-"""One reduce-scatter per parameter, however often the step read it.
+"""One reduce-scatter for a parameter read twice in a step, where autograd adds the two.
 
-A parameter read twice in one compiled step (a block called twice, two forwards in one
-compiled call) traces a gather per read, each with its gradient's reduce-scatter, and
-autograd adds their results: ``add(wait(RS(g1)), wait(RS(g2)))``. The reduction is
-linear, so this is ``wait(RS(g1 + g2))``: the parameter's bytes reduced once instead of
-twice, and eager's arithmetic (which sums a unit's gradients from every use before one
-reduction, as FSDP2's accumulation into the unsharded gradient does).
+A parameter read twice in one compiled step (a block called twice) traces a gather per
+read, each with its gradient's reduce-scatter, and autograd adds their results:
+``add(wait(RS(g1)), wait(RS(g2)))``. The reduction is linear, so this is
+``wait(RS(g1 + g2))``: the parameter's bytes reduced once instead of twice, and eager's
+arithmetic (which sums a unit's gradients from every use before one reduction, as
+FSDP2's accumulation into the unsharded gradient does). Reductions whose results meet
+otherwise (two forwards of a whole model in one compiled function: the root's) stay apart.
 """
 
 from __future__ import annotations
