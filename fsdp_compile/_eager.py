@@ -662,8 +662,8 @@ def _prefetch_gather_in_backward(target: FSDPUnit) -> None:
 
 
 def _regather(slot: RegatherSlot) -> None:
-    """Fill ``slot.full``, and with the same all-gather every other open slot of its
-    unit that shares its bucket (FSDP2's pre-backward gathers the whole unit); then
+    """Fill ``slot.full``, and with the same all-gather every slot of the same gather
+    (its mates) that shares its bucket (FSDP2's pre-backward gathers the whole unit); then
     prefetch the re-gather of the unit packed before it (FSDP2's backward prefetch)."""
     slot.fsdp_param.unit.eager.entering_backward_of(slot.fsdp_param.unit)
     if slot.prefetched is not None:
@@ -703,7 +703,7 @@ def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
     rank saved it (FSDP2's pre-backward gathers the whole unit). The collective is then
     the same on every rank even where ranks used different parameters of the unit
     (experts run only on the tokens routed to them, a branch on the data); a parameter
-    without an open slot to fill gets a throwaway one."""
+    without a mate still to unpack gets a throwaway slot."""
     key = regather_key(slot.fsdp_param)
     if key is None:
         return [slot]
@@ -720,7 +720,7 @@ def _regather_bucket(slot: RegatherSlot) -> list[RegatherSlot]:
 
 
 def _prefetch_regather_before(slot: RegatherSlot) -> None:
-    """Issue the re-gather of the unit whose open slot was packed last before ``slot`` in
+    """Issue the re-gather of the gather whose live slot was packed last before ``slot`` in
     the same outermost forward (the unit whose backward comes next, when units run one
     after another), or of the units ``slot``'s unit names (``backward_prefetches``), in
     buckets, without waiting; the end of the backward waits on whatever was not used.
