@@ -284,6 +284,10 @@ class Measures:
     # profile -> per graph (forward, backward): compute, communication, and the exposed
     # communication by phase (start, middle, end; passes/cost_model.exposure_by_phase), seconds
     split: dict = field(default_factory=dict)
+    # profile -> steady-state periods across the step boundary (benchmarks/_across_steps.py):
+    # (in step, optimizer in backward, across steps, compute, optimizer, communication, held bytes,
+    # boundary chain)
+    across: dict = field(default_factory=dict)
 
 
 def _collectives(graph) -> list:
@@ -366,6 +370,8 @@ def measure(tr: Trace) -> Measures:
         tensor_bytes,
     )
 
+    from benchmarks._across_steps import simulate_across_steps
+
     m = Measures(trace_s=tr.trace_s)
     finals = []
     for gm in (tr.forward, tr.backward):
@@ -404,6 +410,7 @@ def measure(tr: Trace) -> Measures:
             )
         )
         m.peak_forward, m.peak_backward = sims[0].peak_bytes, sims[1].peak_bytes
+        m.across[profile] = tuple(vars(simulate_across_steps(*finals, profile)).values())
     return m
 
 
@@ -424,6 +431,7 @@ def _extrapolate(a: Measures, b: Measures, depth_a: int, depth_b: int, depth: in
     out.trace_s = a.trace_s + b.trace_s  # what it cost here
     out.times = {p: tuple(line(x, y) for x, y in zip(a.times[p], b.times[p], strict=True)) for p in a.times}
     out.split = {p: tuple(line(x, y) for x, y in zip(a.split[p], b.split[p], strict=True)) for p in a.split}
+    out.across = {p: tuple(line(x, y) for x, y in zip(a.across[p], b.across[p], strict=True)) for p in a.across}
     return out
 
 
@@ -566,6 +574,46 @@ def exposure_table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def across_steps_table(results: list[Result]) -> str:
+    """Steady-state step period with the optimizer, in step and across the boundary."""
+    r0 = results[0]
+    rows = [
+        f"**Across the step boundary, MODELLED** — {r0.model}; {r0.how}; Adam on the fp32 shards; "
+        "steady-state period between forwards (benchmarks/_across_steps.py)",
+        "",
+        table_header(
+            "N",
+            "profile",
+            "compute + optimizer / comm. (ms)",
+            "in step: opt.step() after backward (ms, x max)",
+            "optimizer in backward (ms, x max)",
+            "across steps: + next forward's first gathers behind it (ms, x max)",
+            "gathered bytes held across the boundary (GiB)",
+            "boundary chain (ms)",
+            "lower bound: compute + optimizer + chain (ms, x max)",
+        ),
+    ]
+    for r in results:
+        for profile, (in_step, in_backward, across, compute, optimizer, comm, held, chain) in r.m.across.items():
+            bound = max(compute + optimizer, comm)
+            floor = max(compute + optimizer + chain, comm)
+            cells = " | ".join(f"{t * 1e3:.0f} ({t / bound:.2f})" for t in (in_step, in_backward, across, floor))
+            rows.append(
+                f"| {r.world_size} | {profile} | {(compute + optimizer) * 1e3:.0f} / {comm * 1e3:.0f} "
+                f"| {' | '.join(cells.split(' | ')[:3])} | {held / GiB:.2f} | {chain * 1e3:.0f} | {cells.split(' | ')[3]} |"
+            )
+    rows += [
+        "",
+        "x max: against max(compute + optimizer, communication) per step. The units the backward reduces "
+        "last (the first layer, the root with the token embedding) are the ones the forward gathers first. "
+        "Their reduce-scatters issued after the backward's last matmul, and the forward's gathers issued "
+        "before its first one, are a chain (reduce-scatter, optimizer step, all-gather) between the two "
+        "matmuls that no order of the step's work hides: with the compute the bottleneck, no schedule, "
+        "within or across steps, is faster than compute + optimizer + chain (the last column).",
+    ]
+    return "\n".join(rows)
+
+
 def _seconds(s: float | None) -> str:
     return "n/a (extrapolated)" if s is None else f"{s:.2f}"
 
@@ -649,7 +697,7 @@ def tables(quick: bool = False, **kwargs) -> list[str]:
     grouped = run(quick, **kwargs)
     out = []
     for results in grouped.values():
-        out += [time_table(results), exposure_table(results), memory_table(results)]
+        out += [time_table(results), exposure_table(results), across_steps_table(results), memory_table(results)]
     out.append(sanity_table([r for results in grouped.values() for r in results]))
     return out
 

@@ -88,3 +88,25 @@ def test_exposure_by_phase_splits_the_exposed_time():
     assert phases.start > 0 and phases.end > 0
     starts = [c for c in sim.collectives if c.kind == "all_gather"][:1]
     assert phases.start >= starts[0].exposed_s
+
+
+def test_steady_state_across_steps_respects_its_bounds():
+    """``benchmarks/_across_steps.py`` on a hand-built unit graph (standing in for both the
+    forward and the backward): with a free link every schedule's period is exactly the
+    compute plus the optimizer; with a slow one no schedule beats the lower bound it reports
+    (compute + optimizer + the boundary chain, or the communication)."""
+    from dataclasses import replace
+
+    from benchmarks._across_steps import simulate_across_steps
+
+    traced, _ = build_unit_graph(2, 0, "0", 4)
+    free = replace(get_profile("cpu-gloo"), name="free-link", link_bytes_per_s=1e30, alpha_s=0.0)
+    out = simulate_across_steps(traced.graph, traced.graph, free)
+    for period in (out.in_step, out.optimizer_in_backward, out.across_steps):
+        assert period == pytest.approx(out.compute + out.optimizer)
+    assert out.optimizer > 0 and out.held_bytes > 0
+    slow = simulate_across_steps(traced.graph, traced.graph, "cpu-gloo")
+    assert slow.boundary_chain > 0
+    floor = max(slow.compute + slow.optimizer + slow.boundary_chain, slow.communication)
+    for period in (slow.in_step, slow.optimizer_in_backward, slow.across_steps):
+        assert period >= floor * (1 - 1e-9), (period, floor)

@@ -101,3 +101,67 @@ def test_a_forward_hook_that_replaces_the_gradient_is_refused_by_name(pool2, bac
     variant = "ours" if backend is None else f"ours:{backend}"
     with pytest.raises(Exception, match=r"sharded parameter 'layers\.[12]\.(weight|bias)' during its forward replaced the gradient.*in place"):
         pool2.run(train_with_forward_hooks, variant, True)
+
+
+def train_with_optimizer_in_backward(variant: str, in_backward: bool = True, steps: int = 3) -> dict:
+    """FSDP2's optimizer-in-backward pattern: an ``AdamW`` per parameter, stepped and
+    zeroed by a post-accumulate-grad hook registered outside the forward (or, without
+    ``in_backward``, one ``AdamW`` stepped after the backward). ``variant``: ``"<kind>"`` or
+    ``"<kind>:<backend>"``. Returns losses and full parameters per step, whether every
+    gradient was None after each step, the graph count, and (eager) the order in which the
+    first optimizer step and the first layer's backward ran."""
+    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+
+    reset_dynamo()
+    kind, _, backend = variant.partition(":")
+    model, units = build("llama")
+    for unit in units:
+        fully_shard_of(kind)(unit)
+    run, counter = compile_counting_graphs(model, backend or None)
+    events: list[str] = []
+    if not backend:  # (a module backward hook is a graph break of its own under torch.compile)
+        model.layers[0].register_full_backward_hook(lambda *_: events.append("layers.0 backward"))
+    if in_backward:
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+
+        def step_and_zero(param: torch.Tensor) -> None:
+            events.append("optimizer step")
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(step_and_zero)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {"loss": [], "params": [], "grads_none": []}
+    for step in range(steps):
+        x, y = batch("llama", step)
+        loss = loss_fn("llama", run(x.chunk(world)[rank]), y.chunk(world)[rank])
+        loss.backward()
+        if not in_backward:
+            opt.step()
+            opt.zero_grad()
+        out["loss"].append(loss.item())
+        out["params"].append(full_parameters(model))
+        out["grads_none"].append(all(p.grad is None for p in model.parameters()))
+    out["graphs"] = counter.frame_count if counter else None
+    out["first_events"] = list(dict.fromkeys(events))[:2]
+    return out
+
+
+def test_optimizer_in_backward_trains_as_fsdp2_and_steps_inside_the_backward(pool2):
+    """FSDP2's optimizer-in-backward pattern on our units: eager bitwise FSDP2's and bitwise
+    the same model stepped after its backward; eagerly the last layer's parameters step
+    while the backward still runs (before the first layer's backward), as with FSDP2;
+    aot_eager bitwise eager in one graph."""
+    fsdp2 = pool2.run(train_with_optimizer_in_backward, "fsdp2")[0]
+    ours = pool2.run(train_with_optimizer_in_backward, "ours")[0]
+    after = pool2.run(train_with_optimizer_in_backward, "ours", False)[0]
+    ours_aot = pool2.run(train_with_optimizer_in_backward, "ours:aot_eager")[0]
+    assert ours["loss"] == fsdp2["loss"] == after["loss"] == ours_aot["loss"]
+    assert _max_gap(ours, fsdp2) == _max_gap(ours, after) == _max_gap(ours_aot, ours) == 0.0
+    assert all(ours["grads_none"]) and all(ours_aot["grads_none"]) and all(fsdp2["grads_none"])
+    assert ours["first_events"] == fsdp2["first_events"] == ["optimizer step", "layers.0 backward"]
+    assert ours_aot["graphs"] == 1

@@ -1,0 +1,221 @@
+"""Steady-state step time across the step boundary, MODELLED (for ``benchmarks.scale``).
+
+``passes/cost_model.simulate`` times one graph on its own: a forward's first gathers
+start on an idle link with nothing to hide behind, a backward's last reduce-scatters
+end with nothing after them. Training runs the graphs back to back with an optimizer
+step between them, so what the edges cost depends on what happens *across* the
+boundary. This module strings steps together and measures the period between the
+starts of consecutive forwards, in three schedules:
+
+* ``in step``: forward, backward, then the optimizer over every unit's shard (what
+  ``opt.step()`` after ``loss.backward()`` does);
+* ``optimizer in backward``: each unit's optimizer step runs as soon as its
+  reduce-scatter has been waited for, inside the backward (FSDP2's
+  optimizer-in-backward pattern: a ``register_post_accumulate_grad_hook`` per
+  parameter that steps and zeroes it);
+* ``across steps``: as ``optimizer in backward``, and the next forward's first
+  all-gathers (those issued before its first matmul) are issued right after the
+  optimizer step of the unit they gather, inside the previous backward's tail.
+
+The optimizer is Adam on fp32 shards: 28 bytes of memory traffic per local
+element (reads parameter, gradient and two moments; writes parameter and
+moments) at the profile's memory bandwidth. One compute stream and one link:
+collectives run in issue order, each after the previous one; compute blocks at
+a wait until its collective ends (as in ``simulate``).
+
+What no schedule can hide: the units reduced last in the backward are the ones
+the forward gathers first (the token embedding and the first layer), so their
+reduce-scatter, optimizer step and all-gather form one chain between the last
+backward matmul and the first forward one: ``period >= compute + optimizer +
+that chain`` while the link is not the bottleneck.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Adam on fp32 shards: read parameter, gradient, exp_avg, exp_avg_sq; write the three states back.
+ADAM_BYTES_PER_ELEMENT = 28
+STEPS = 4  # simulated; the period is taken between the last two forwards
+
+
+@dataclass(frozen=True)
+class Op:
+    what: str  # "compute", "issue", "wait", "optimizer"
+    seconds: float = 0.0
+    collective: int = -1  # index into the step's collectives (issue / wait)
+    unit: str = ""  # the collective's or the optimizer step's unit
+    kind: str = ""  # the collective's kind
+
+
+@dataclass
+class Program:
+    """A graph in its scheduled order, reduced to what the timing needs."""
+
+    ops: list
+    first_matmul: int  # index in ops of the first compute op doing FLOPs
+    last_matmul: int  # index in ops of the last one
+    gathered_bytes_before_first_matmul: int
+
+
+def program_of(graph, profile) -> Program:
+    """``graph``'s ops in order, timed as ``passes/cost_model.simulate`` times them."""
+    from fsdp_compile.passes.cost_model import (
+        collective_owner,
+        collective_seconds,
+        compute_seconds,
+        node_flops,
+        tensor_bytes,
+    )
+    from fsdp_compile.runtime.vocabulary import WAIT, collective_kind, world_size_of
+
+    notes: set = set()
+    nodes = list(graph.nodes)
+    world = next((world_size_of(n) for n in nodes if collective_kind(n) in ("all_gather", "reduce_scatter")), 2)
+    ops, waits, first_matmul, last_matmul, gathered_early = [], {}, None, 0, 0
+    for node in nodes:
+        kind = collective_kind(node)
+        if kind:
+            index = len(waits)
+            ops.append(Op("issue", collective_seconds(node, profile, notes, world), index, collective_owner(node), kind))
+            if len(node.users) == 1 and next(iter(node.users)).target is WAIT:
+                waits[next(iter(node.users))] = (index, collective_owner(node), kind)
+            else:
+                waits[object()] = (index, collective_owner(node), kind)
+            if first_matmul is None and kind == "all_gather":
+                gathered_early += tensor_bytes(node, notes)
+        elif node in waits:
+            index, unit, kind = waits[node]
+            ops.append(Op("wait", collective=index, unit=unit, kind=kind))
+        else:
+            seconds = compute_seconds(node, profile, notes)
+            if seconds:
+                if node_flops(node, notes) > 0:
+                    first_matmul = len(ops) if first_matmul is None else first_matmul
+                    last_matmul = len(ops)
+                ops.append(Op("compute", seconds))
+    return Program(ops, first_matmul or 0, last_matmul, gathered_early)
+
+
+def local_elements_by_unit(backward_graph) -> dict[str, int]:
+    """Each unit's local gradient elements: its reduce-scatters' outputs (fp32)."""
+    from fsdp_compile.passes.cost_model import collective_owner
+    from fsdp_compile.runtime.vocabulary import collective_kind
+
+    out: dict[str, int] = {}
+    for node in backward_graph.nodes:
+        if collective_kind(node) in ("reduce_scatter", "all_reduce"):
+            val = node.meta.get("val")
+            out[collective_owner(node)] = out.get(collective_owner(node), 0) + int(val.numel())
+    return out
+
+
+def _with_optimizer_in_backward(backward: Program, optimizer_s: dict[str, float]) -> list:
+    """``backward.ops`` with each unit's optimizer step right after the wait of its last
+    reduce-scatter (where a post-accumulate-grad hook would run)."""
+    last_wait = {}
+    for i, op in enumerate(backward.ops):
+        if op.what == "wait" and op.kind in ("reduce_scatter", "all_reduce"):
+            last_wait[op.unit] = i
+    ops = []
+    for i, op in enumerate(backward.ops):
+        ops.append(op)
+        for unit, at in last_wait.items():
+            if at == i:
+                ops.append(Op("optimizer", optimizer_s.get(unit, 0.0), unit=unit))
+    return ops
+
+
+@dataclass
+class AcrossSteps:
+    """Steady-state periods (seconds) of the three schedules, and their shared figures."""
+
+    in_step: float
+    optimizer_in_backward: float
+    across_steps: float
+    compute: float  # forward + backward compute per step
+    optimizer: float  # optimizer steps per step
+    communication: float
+    held_bytes: int  # gathered bytes the early forward gathers hold across the boundary
+    boundary_chain: float  # link time that must fall between the last backward and first forward matmul
+
+
+def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = STEPS) -> AcrossSteps:
+    """The three schedules of the module docstring on ``forward_graph`` / ``backward_graph``
+    (after our passes), ``steps`` steps each; the period between the last two forwards'
+    first matmuls."""
+    from fsdp_compile.passes.cost_model import get_profile
+
+    profile = get_profile(profile) if isinstance(profile, str) else profile
+    forward, backward = program_of(forward_graph, profile), program_of(backward_graph, profile)
+    elements = local_elements_by_unit(backward_graph)
+    optimizer_s = {u: ADAM_BYTES_PER_ELEMENT * n / profile.mem_bytes_per_s for u, n in elements.items()}
+    total_optimizer = sum(optimizer_s.values())
+
+    def period(schedule: str) -> float:
+        hoisted = set()
+        if schedule == "across steps":  # the forward's gathers issued before its first matmul
+            hoisted = {i for i, op in enumerate(forward.ops[: forward.first_matmul]) if op.what == "issue"}
+        t_compute = t_link = 0.0
+        starts = []
+        ends: dict = {}
+
+        def issue(op: Op, tag) -> None:
+            nonlocal t_link
+            start = max(t_link, t_compute)
+            t_link = start + op.seconds
+            ends[tag] = t_link
+
+        for step in range(steps):
+            # forward
+            for i, op in enumerate(forward.ops):
+                if i == forward.first_matmul:
+                    starts.append(t_compute)
+                if op.what == "issue":
+                    if i in hoisted and step > 0:
+                        continue  # issued in the previous backward's tail
+                    issue(op, ("f", step, op.collective))
+                elif op.what == "wait":
+                    t_compute = max(t_compute, ends[("f", step, op.collective)])
+                else:
+                    t_compute += op.seconds
+            # backward (+ optimizer)
+            ops = backward.ops if schedule == "in step" else _with_optimizer_in_backward(backward, optimizer_s)
+            for op in ops:
+                if op.what == "issue":
+                    issue(op, ("b", step, op.collective))
+                elif op.what == "wait":
+                    t_compute = max(t_compute, ends[("b", step, op.collective)])
+                elif op.what == "optimizer":
+                    t_compute += op.seconds
+                    for i in sorted(hoisted):
+                        if forward.ops[i].unit == op.unit:
+                            issue(forward.ops[i], ("f", step + 1, forward.ops[i].collective))
+                else:
+                    t_compute += op.seconds
+            if schedule == "in step":
+                t_compute += total_optimizer
+            for i in sorted(hoisted):  # a unit without a reduce-scatter of its own: at the boundary
+                if ("f", step + 1, forward.ops[i].collective) not in ends:
+                    issue(forward.ops[i], ("f", step + 1, forward.ops[i].collective))
+        return starts[-1] - starts[-2]
+
+    # The chain: the units whose reduce-scatters are issued after the backward's last matmul
+    # (their gradients come from it or from later work) and whose gathers the forward issues
+    # before its first matmul; those reduce-scatters and gathers.
+    last_reductions = [op for op in backward.ops[backward.last_matmul :] if op.what == "issue" and op.kind != "all_gather"]
+    first_gathers = [op for op in forward.ops[: forward.first_matmul] if op.what == "issue" and op.kind == "all_gather"]
+    chain_units = {op.unit for op in last_reductions} & {op.unit for op in first_gathers}
+    chain = sum(op.seconds for op in first_gathers + last_reductions if op.unit in chain_units)
+    compute = sum(op.seconds for p in (forward, backward) for op in p.ops if op.what == "compute")
+    communication = sum(op.seconds for p in (forward, backward) for op in p.ops if op.what == "issue")
+    return AcrossSteps(
+        period("in step"),
+        period("optimizer in backward"),
+        period("across steps"),
+        compute,
+        total_optimizer,
+        communication,
+        forward.gathered_bytes_before_first_matmul,
+        chain,
+    )
