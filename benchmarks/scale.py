@@ -362,6 +362,7 @@ def peak_live_bytes_keeping_aliases(graph) -> int:
 
 
 def measure(tr: Trace) -> Measures:
+    from benchmarks._across_steps import simulate_across_steps
     from fsdp_compile.passes.cost_model import (
         collective_kind,
         exposure_by_phase,
@@ -369,8 +370,6 @@ def measure(tr: Trace) -> Measures:
         simulate,
         tensor_bytes,
     )
-
-    from benchmarks._across_steps import simulate_across_steps
 
     m = Measures(trace_s=tr.trace_s)
     finals = []

@@ -3,6 +3,7 @@
 
     pip install torchtitan==0.3.0      # not a dependency of this project, not run by CI
     python examples/torchtitan_llama3.py [--steps 5] [--compile none|model|blocks] [--ac none|full|selective]
+                                         [--with-unsharded]
 
 On 2 CPU ranks (gloo, started here), for each of FSDP2 and ours: torchtitan's
 ``debugmodel`` (6 layers, dim 256, vocabulary 2048, flex attention) built on the meta
@@ -17,7 +18,9 @@ before sharding (torchtitan's ``apply_compile`` order). ``--ac full|selective``:
 torchtitan's own activation checkpointing (``FullAC`` / ``SelectiveAC``: each block in
 ``checkpoint_wrapper``), applied first, as its trainer does. Prints both losses per step and
 the first step's time (each kind in new processes, from an empty Inductor cache), and
-fails if eager losses are not bitwise equal.
+fails if eager losses are not bitwise equal. ``--with-unsharded`` also times the model
+without FSDP, compiled the same way: what the same ``torch.compile`` call costs without
+sharding.
 
 The switch, for a user of torchtitan::
 
@@ -82,8 +85,9 @@ def _build(kind: str, compile_mode: str, ac: str = "none"):
         for layer_id, block in model.layers.named_children():
             model.layers.register_module(layer_id, torch.compile(block))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    titan_fsdp.apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
-    titan_fsdp.disable_fsdp_gradient_division(model)
+    if kind != "unsharded":
+        titan_fsdp.apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+        titan_fsdp.disable_fsdp_gradient_division(model)
     if kind == "fsdp2":  # FSDP2's factor-1.0 reduce-scatter is a PREMUL_SUM, which gloo lacks
         for module in model.modules():
             if isinstance(module, torch.distributed.fsdp.FSDPModule):
@@ -136,11 +140,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", choices=("none", "model", "blocks"), default="none")
     p.add_argument("--ac", choices=("none", "full", "selective"), default="none")
+    p.add_argument(
+        "--with-unsharded",
+        action="store_true",
+        help="also time the same model without FSDP, compiled the same way (its own replica per rank, no gradient "
+        "sync: its losses are not comparable, only its step times)",
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     r = {}
-    for i, kind in enumerate(("fsdp2", "ours")):
+    kinds = ("unsharded", "fsdp2", "ours") if args.with_unsharded else ("fsdp2", "ours")
+    for i, kind in enumerate(kinds):
         # Each in new processes with an empty Inductor cache: neither compiles from the other's.
         with tempfile.TemporaryDirectory(prefix=f"torchtitan_{kind}_") as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
@@ -152,7 +163,7 @@ def main() -> None:
     print("| step | FSDP2 loss | ours loss | difference |\n|---|---|---|---|")
     for step, (a, b) in enumerate(zip(r["fsdp2"]["losses"], r["ours"]["losses"], strict=True)):
         print(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
-    for kind in ("fsdp2", "ours"):
+    for kind in kinds:
         steady = r[kind]["steady_s"]
         print(f"{kind}: first step {r[kind]['first_step_s']:.2f} s, steady step {steady:.3f} s" if steady else kind)
     if args.compile == "none":
