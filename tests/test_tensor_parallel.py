@@ -374,17 +374,6 @@ def test_hsdp_tp_graph_structure(world_size):
         dist.destroy_process_group()
 
 
-def test_hsdp_tp_on_8_real_ranks_matches_reference_and_fsdp2(rank_pools):
-    """8 gloo processes of the tiny model, eager (8 compiles do not fit the CI's 2 cores;
-    the compiled 3-D graph is checked on fake ranks above, compiled 2-D parity on 4 ranks)."""
-    pool8 = rank_pools(8)
-    reference = pool8.run(train, "reference", True, 2)[0]
-    fsdp2 = pool8.run(train, "fsdp2", True, 2, True)[0]
-    ours = pool8.run(train, "ours", True, 2, True)[0]
-    assert ours["placements"] == fsdp2["placements"]
-    assert max_gap(fsdp2, reference) < 1e-5 and max_gap(ours, reference) < 1e-5
-
-
 # ------------------------------------------ a transformers model under a plan of its own
 
 HF_VOCAB, HF_SEQ = 128, 16
@@ -649,6 +638,18 @@ def _sgd_steps(model, backend: str | None, seed: int, *, global_loss: bool) -> d
         losses.append(value.item())
         params.append(full_parameters(model))
     return {"losses": losses, "params": params, "graphs": counter.frame_count if counter else None}
+
+
+def test_hsdp_tp_on_8_real_ranks_matches_reference_and_fsdp2(rank_pools):
+    """(Next to the other 8-rank test: each 8-rank pool stops the 4-rank one, which then
+    starts again.) 8 gloo processes of the tiny model, eager (8 compiles do not fit the CI's 2 cores;
+    the compiled 3-D graph is checked on fake ranks above, compiled 2-D parity on 4 ranks)."""
+    pool8 = rank_pools(8)
+    reference = pool8.run(train, "reference", True, 2)[0]
+    fsdp2 = pool8.run(train, "fsdp2", True, 2, True)[0]
+    ours = pool8.run(train, "ours", True, 2, True)[0]
+    assert ours["placements"] == fsdp2["placements"]
+    assert max_gap(fsdp2, reference) < 1e-5 and max_gap(ours, reference) < 1e-5
 
 
 def test_experts_with_ep_and_tp_on_one_parameter_match_fsdp2_on_8_ranks(rank_pools):

@@ -34,16 +34,18 @@ def pytest_configure(config) -> None:
 def rank_pools():
     """``rank_pools(world_size, backend="gloo")``: a pool per size, kept for the session.
 
-    The 2-rank pool stays up; asking for another size stops the other larger pools
-    (their processes, not the objects: a stopped pool starts again on its next
-    ``run``), so at most 2 + N ranks hold memory at once. Ranks are forked from a
-    server that has imported torch and fsdp_compile (``RankPool``'s ``forkserver``)."""
+    The 2-rank pool stays up, and so does a 1-rank one; asking for a size above 2 stops
+    the other pools above 2 (their processes, not the objects: a stopped pool starts
+    again on its next ``run``), so at most 3 + N ranks hold memory at once. (A 1-rank
+    pool used to stop them too: the 4-rank pool then started again in the next file
+    that used it.) Ranks are forked from a server that has imported torch and
+    fsdp_compile (``RankPool``'s ``forkserver``)."""
     pools: dict[tuple[int, str], RankPool] = {}
 
     def get(world_size: int = 2, backend: str = "gloo") -> RankPool:
         key = (world_size, backend)
         for other_key, other in pools.items():
-            if other_key != key and other_key[0] > 2:
+            if world_size > 2 and other_key != key and other_key[0] > 2:
                 other.close()
         if key not in pools:
             pools[key] = RankPool(world_size, backend=backend, start_method=fastest_start_method())
