@@ -26,8 +26,9 @@ a wait until its collective ends (as in ``simulate``).
 What no schedule can hide: the units reduced last in the backward are the ones
 the forward gathers first (the token embedding and the first layer), so their
 reduce-scatter, optimizer step and all-gather form one chain between the last
-backward matmul and the first forward one: ``period >= compute + optimizer +
-that chain`` while the link is not the bottleneck.
+backward matmul and the first forward one: ``period >= (compute from the first
+forward matmul to the last backward one) + that chain`` while the link is not the
+bottleneck.
 """
 
 from __future__ import annotations
@@ -138,12 +139,18 @@ class AcrossSteps:
     communication: float
     held_bytes: int  # gathered bytes the early forward gathers hold across the boundary
     boundary_chain: float  # link time that must fall between the last backward and first forward matmul
+    lower_bound: float  # no schedule's period is shorter (see simulate_across_steps)
 
 
 def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = STEPS) -> AcrossSteps:
     """The three schedules of the module docstring on ``forward_graph`` / ``backward_graph``
     (after our passes), ``steps`` steps each; the period between the last two forwards'
-    first matmuls."""
+    first matmuls. And a lower bound on any schedule's period with these units and buckets:
+    the larger of compute + optimizer, the communication, and the compute from the
+    forward's first matmul to the backward's last plus the boundary chain (the
+    reduce-scatters after that last matmul and the gathers before that first one, of the
+    units that have both: the chain runs between two such spans, and nothing in a span
+    can run before the chain ends or after the next one starts)."""
     from fsdp_compile.passes.cost_model import get_profile
 
     profile = get_profile(profile) if isinstance(profile, str) else profile
@@ -208,6 +215,11 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
     chain_units = {op.unit for op in last_reductions} & {op.unit for op in first_gathers}
     chain = sum(op.seconds for op in first_gathers + last_reductions if op.unit in chain_units)
     compute = sum(op.seconds for p in (forward, backward) for op in p.ops if op.what == "compute")
+    # Compute from the forward's first matmul to the backward's last: none of it can run while
+    # the chain is on the link (the optimizer and the work outside that span can).
+    span = sum(op.seconds for op in forward.ops[forward.first_matmul :] if op.what == "compute") + sum(
+        op.seconds for op in backward.ops[: backward.last_matmul + 1] if op.what == "compute"
+    )
     communication = sum(op.seconds for p in (forward, backward) for op in p.ops if op.what == "issue")
     return AcrossSteps(
         period("in step"),
@@ -218,4 +230,5 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
         communication,
         forward.gathered_bytes_before_first_matmul,
         chain,
+        max(compute + total_optimizer, span + chain, communication),
     )
