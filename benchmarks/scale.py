@@ -589,7 +589,7 @@ def across_steps_table(results: list[Result]) -> str:
             "across steps: + next forward's first gathers behind it (ms, x max)",
             "gathered bytes held across the boundary (GiB)",
             "boundary chain (ms)",
-            "lower bound, any schedule (ms, x max)",
+            "lower bound, any schedule of these buckets (ms, x max)",
         ),
     ]
     for r in results:
