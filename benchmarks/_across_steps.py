@@ -118,12 +118,13 @@ def _with_optimizer_in_backward(backward: Program, optimizer_s: dict[str, float]
     for i, op in enumerate(backward.ops):
         if op.what == "wait" and op.kind in ("reduce_scatter", "all_reduce"):
             last_wait[op.unit] = i
+    steps_after = {}
+    for unit, at in last_wait.items():
+        steps_after.setdefault(at, []).append(Op("optimizer", optimizer_s.get(unit, 0.0), unit=unit))
     ops = []
     for i, op in enumerate(backward.ops):
         ops.append(op)
-        for unit, at in last_wait.items():
-            if at == i:
-                ops.append(Op("optimizer", optimizer_s.get(unit, 0.0), unit=unit))
+        ops += steps_after.get(i, [])
     return ops
 
 
@@ -159,6 +160,8 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
     optimizer_s = {u: ADAM_BYTES_PER_ELEMENT * n / profile.mem_bytes_per_s for u, n in elements.items()}
     total_optimizer = sum(optimizer_s.values())
 
+    backward_with_optimizer = _with_optimizer_in_backward(backward, optimizer_s)
+
     def period(schedule: str) -> float:
         hoisted = set()
         if schedule == "across steps":  # the forward's gathers issued before its first matmul
@@ -187,8 +190,7 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
                 else:
                     t_compute += op.seconds
             # backward (+ optimizer)
-            ops = backward.ops if schedule == "in step" else _with_optimizer_in_backward(backward, optimizer_s)
-            for op in ops:
+            for op in backward.ops if schedule == "in step" else backward_with_optimizer:
                 if op.what == "issue":
                     issue(op, ("b", step, op.collective))
                 elif op.what == "wait":

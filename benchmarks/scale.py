@@ -595,10 +595,14 @@ def across_steps_table(results: list[Result]) -> str:
     for r in results:
         for profile, (in_step, in_backward, across, compute, optimizer, comm, held, chain, floor) in r.m.across.items():
             bound = max(compute + optimizer, comm)
-            cells = " | ".join(f"{t * 1e3:.0f} ({t / bound:.2f})" for t in (in_step, in_backward, across, floor))
+
+            def cell(t: float, bound: float = bound) -> str:
+                return f"{t * 1e3:.0f} ({t / bound:.2f})"
+
             rows.append(
                 f"| {r.world_size} | {profile} | {(compute + optimizer) * 1e3:.0f} / {comm * 1e3:.0f} "
-                f"| {' | '.join(cells.split(' | ')[:3])} | {held / GiB:.2f} | {chain * 1e3:.0f} | {cells.split(' | ')[3]} |"
+                f"| {cell(in_step)} | {cell(in_backward)} | {cell(across)} | {held / GiB:.2f} | {chain * 1e3:.0f} "
+                f"| {cell(floor)} |"
             )
     rows += [
         "",

@@ -168,9 +168,8 @@ def gather_unit(unit: FSDPUnit) -> None:
             for fsdp_param, full in zip(bucket, bucket_fulls_with_grad(bucket, kept=kept), strict=True):
                 fsdp_param._note_gathered(full)
             continue
-        prefetched = state.forward_prefetch.take(bucket) if key is not None else None
-        if prefetched is not None or key is not None:
-            gather_bucket(bucket, prefetched)
+        if key is not None:
+            gather_bucket(bucket, state.forward_prefetch.take(bucket))
         else:
             for fsdp_param in bucket:
                 owner, name = fsdp_param.owner

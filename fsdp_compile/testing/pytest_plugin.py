@@ -36,10 +36,9 @@ def rank_pools():
 
     The 2-rank pool stays up, and so does a 1-rank one; asking for a size above 2 stops
     the other pools above 2 (their processes, not the objects: a stopped pool starts
-    again on its next ``run``), so at most 3 + N ranks hold memory at once. (A 1-rank
-    pool used to stop them too: the 4-rank pool then started again in the next file
-    that used it.) Ranks are forked from a server that has imported torch and
-    fsdp_compile (``RankPool``'s ``forkserver``)."""
+    again on its next ``run``), so at most 3 + N ranks hold memory at once and a 4-rank
+    pool is not restarted for a 1-rank test between its users. Ranks are forked from a
+    server that has imported torch and fsdp_compile (``RankPool``'s ``forkserver``)."""
     pools: dict[tuple[int, str], RankPool] = {}
 
     def get(world_size: int = 2, backend: str = "gloo") -> RankPool:
