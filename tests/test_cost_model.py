@@ -106,6 +106,5 @@ def test_steady_state_across_steps_respects_its_bounds():
     assert out.optimizer > 0 and out.held_bytes > 0
     slow = simulate_across_steps(traced.graph, traced.graph, "cpu-gloo")
     assert slow.boundary_chain > 0
-    assert slow.lower_bound >= max(slow.compute + slow.optimizer, slow.communication)
     for period in (slow.in_step, slow.optimizer_in_backward, slow.across_steps):
         assert period >= slow.lower_bound * (1 - 1e-9), (period, slow.lower_bound)
