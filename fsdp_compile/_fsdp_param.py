@@ -53,6 +53,7 @@ from fsdp_compile.runtime.collectives import (
     CollectiveSpec,
     GradAccumulation,
     ShardLayout,
+    gather_op,
     gather_post_forward_shard,
     gather_with_grad_sync,
     gradient_reduction,
@@ -381,6 +382,38 @@ class FSDPParam:
         direct = not traced and functorch_transforms_active()
         full = gather_with_grad_sync(local, spec, self._accumulation(), kept, key=key, direct=direct)
         return self._note_gathered(full)
+
+    def gather_traced(self) -> torch.Tensor:
+        """:meth:`gather` as Dynamo traces it for a trainable parameter read by a traced
+        sharded forward (``_fully_shard._read_traced`` checks the rest): the same graph, in
+        one inlined call. Every read of every compile traces this (about a third of the
+        bytecode of :meth:`gather`'s general path), so anything it does not handle goes
+        there: a parameter gathered or held already, gradient accumulation, a tensor kept
+        since the last forward, a replicated (0-dim) or one-rank parameter."""
+        unit = self.unit
+        if (
+            self.state is not ParamState.SHARDED
+            or self._grad_accumulator is not None
+            or self._partial_accumulator is not None
+            or self.kept is not None
+            or not unit.reshard_after_backward
+            or self.spec.layout is None
+        ):
+            return self.gather(None, ExecutionMode.TRACED)
+        naming = unit.traced_naming
+        if naming is None:
+            key = self.spec.key
+        elif naming == FRAME_NAMING:
+            key = self.frame_spec.key
+        elif naming == NESTED_NAMING:
+            key = self.nested_frame_spec.key
+        else:
+            key = _spec_key_as_root(self, naming)
+        full = gather_op(self.local_view, key)
+        self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
+        self.state = ParamState.GATHERED
+        forward_context.frames[-1].append(self)  # the innermost running forward drops it when it returns
+        return self.gathered
 
     def still_gathered(self) -> torch.Tensor | None:
         """The full tensor (dim 0 first) a forward reads instead of gathering: held by

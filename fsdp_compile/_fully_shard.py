@@ -655,6 +655,8 @@ def _own_code_copy(fn, suffix: str):
 
 def _managed_param_property(name: str) -> property:
     def read(self):
+        if torch.compiler.is_compiling():
+            return _read_traced(self, name)
         mode = execution_mode()
         if mode is ExecutionMode.BETWEEN_GRAPHS:
             return _read_managed_outside_dynamo(self, name, mode)
@@ -663,6 +665,18 @@ def _managed_param_property(name: str) -> property:
     read.__name__ = name
     never_a_frame_of_its_own(read)
     return property(read, doc=f"Sharded parameter {name!r}; the full tensor during a sharded forward.")
+
+
+def _read_traced(module: nn.Module, name: str):
+    """:func:`_read_managed` as Dynamo traces it: the first read of a trainable parameter
+    in a traced sharded forward (the read every compile traces for every parameter) in
+    few inlined calls (:meth:`FSDPParam.gather_traced`); every other read as before."""
+    fsdp_param = module._fsdp_params[name]
+    if fsdp_param.state is ParamState.SHARDED and forward_context.frames and fsdp_param.traced_read_needs_local_view_only:
+        fsdp_param.follow_requires_grad_when_traced()
+        if fsdp_param.local_view.requires_grad:  # see [Note: traced reads without the DTensor]
+            return allow_side_effects(fsdp_param.gather_traced)
+    return _read_managed(module, name, ExecutionMode.TRACED)
 
 
 def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
