@@ -386,7 +386,7 @@ class FSDPParam:
     def gather_traced(self) -> torch.Tensor:
         """:meth:`gather` as Dynamo traces it for a trainable parameter read by a traced
         sharded forward (``_fully_shard._read_traced`` checks the rest): the same graph, in
-        one inlined call. Every read of every compile traces this (about a third of the
+        one inlined call. Every read of every compile traces this (under half the
         bytecode of :meth:`gather`'s general path), so anything it does not handle goes
         there: a parameter gathered or held already, gradient accumulation, a tensor kept
         since the last forward, a replicated (0-dim) or one-rank parameter."""
