@@ -374,10 +374,7 @@ class FSDPParam:
             local = self.local_view  # the common traced case: what _gather_input returns, in fewer steps
         else:
             local = self._gather_input(sharded_param)
-        naming, key = self.unit.traced_naming, None
-        spec = self.frame_spec if naming == FRAME_NAMING else self.nested_frame_spec if naming == NESTED_NAMING else self.spec
-        if isinstance(naming, int):
-            key = _spec_key_as_root(self, naming)
+        spec, key = self._traced_spec()
         kept = self.still_gathered()
         direct = not traced and functorch_transforms_active()
         full = gather_with_grad_sync(local, spec, self._accumulation(), kept, key=key, direct=direct)
@@ -390,30 +387,33 @@ class FSDPParam:
         bytecode of :meth:`gather`'s general path), so anything it does not handle goes
         there: a parameter gathered or held already, gradient accumulation, a tensor kept
         since the last forward, a replicated (0-dim) or one-rank parameter."""
-        unit = self.unit
         if (
             self.state is not ParamState.SHARDED
             or self._grad_accumulator is not None
             or self._partial_accumulator is not None
             or self.kept is not None
-            or not unit.reshard_after_backward
+            or not self.unit.reshard_after_backward
             or self.spec.layout is None
         ):
             return self.gather(None, ExecutionMode.TRACED)
-        naming = unit.traced_naming
-        if naming is None:
-            key = self.spec.key
-        elif naming == FRAME_NAMING:
-            key = self.frame_spec.key
-        elif naming == NESTED_NAMING:
-            key = self.nested_frame_spec.key
-        else:
-            key = _spec_key_as_root(self, naming)
-        full = gather_op(self.local_view, key)
+        spec, key = self._traced_spec()
+        full = gather_op(self.local_view, key or spec.key)
         self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
         self.state = ParamState.GATHERED
         forward_context.frames[-1].append(self)  # the innermost running forward drops it when it returns
         return self.gathered
+
+    def _traced_spec(self) -> tuple[CollectiveSpec, str | None]:
+        """The spec this parameter's collectives carry in the graph being traced, named as
+        its unit is named there (``FSDPUnit.traced_naming``: from the root, relative to a
+        unit compiled on its own or to the one it is nested in); and, for the ``order``-th
+        root unit of a graph holding several, the key its unit is renamed to (else ``None``)."""
+        naming = self.unit.traced_naming
+        if naming == FRAME_NAMING:
+            return self.frame_spec, None
+        if naming == NESTED_NAMING:
+            return self.nested_frame_spec, None
+        return self.spec, None if naming is None else _spec_key_as_root(self, naming)
 
     def still_gathered(self) -> torch.Tensor | None:
         """The full tensor (dim 0 first) a forward reads instead of gathering: held by

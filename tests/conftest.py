@@ -8,6 +8,12 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's CPU kernels built without SIMD (torch/_inductor/config.py ``cpp.vec_isa_ok``;
+# read when torch is imported, so set here, before any rank starts): on an empty Inductor
+# cache, as on a fresh CI machine, their C++ builds take about half as long, and no ISA
+# probe is compiled. The graphs, their fusions and the collectives' order in Inductor's
+# code are the same; only each kernel's inner loop is scalar (CONTRIBUTING.md, suite time).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 pytest_plugins = ["fsdp_compile.testing.pytest_plugin"]
 

@@ -63,7 +63,8 @@ def moe():
 
 def gpt2():
     """GPT-2: Conv1D layers (transposed weights), tied LM head, computing its own loss
-    (``labels=``), whose logger call is a graph break of its own, even unsharded."""
+    (``labels=``), whose logger call is a graph break of its own, even unsharded. One block:
+    with the root that is two units."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     class GPT2WithItsOwnLoss(GPT2LMHeadModel):
@@ -71,7 +72,7 @@ def gpt2():
             return super().forward(input_ids=input_ids, labels=input_ids)
 
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=1, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         attn_implementation="sdpa",
     )
@@ -123,15 +124,16 @@ def llava():
     """LLaVA (vision-language): a CLIP vision tower, a projector and a Llama, the image
     features merged into the text embeddings at the image tokens. Its own code breaks the
     graph (the image-token count check calls ``.item()``) right after a graph fragment
-    that returns one view per image of the projected features."""
+    that returns one view per image of the projected features. One layer per tower: with
+    the root that is three units (more layers are the same units again)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32,
     )
     text = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ + 16,
     )
     config = LlavaConfig(

@@ -381,14 +381,16 @@ HF_VOCAB, HF_SEQ = 128, 16
 
 def _hf_llama():
     """``transformers``' Llama: grouped-query attention (4 query heads, 2 key/value heads:
-    one of each per TP rank), untied embedding and LM head."""
+    one of each per TP rank), untied embedding and LM head. One decoder layer: with the
+    root that is two units (a second layer is the same unit again: compile time, nothing
+    new)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=HF_VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=HF_SEQ,
