@@ -295,12 +295,13 @@ def state_dict_view(shard_with: str, checkpoint_dir: str) -> dict:
 
 def build_hf_qlora() -> nn.Module:
     """A small ``transformers`` Llama whose attention and MLP projections are frozen NF4
-    weights plus trainable adapters (QLoRA, as torchtune and PEFT lay it out)."""
+    weights plus trainable adapters (QLoRA, as torchtune and PEFT lay it out). One decoder
+    layer: with the root that is two units (more layers are the same unit again)."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+        vocab_size=128, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=False,
     )  # fmt: skip
     config._attn_implementation = "sdpa"
