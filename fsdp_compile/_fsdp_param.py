@@ -396,8 +396,19 @@ class FSDPParam:
             or self.spec.layout is None
         ):
             return self.gather(None, ExecutionMode.TRACED)
-        spec, key = self._traced_spec()
-        full = gather_op(self.local_view, key or spec.key)
+        # :meth:`_traced_spec`'s choice, inlined: one more call here is 7% more bytecode
+        # for Dynamo to trace in every compile (5,534 instructions against 5,154 on the
+        # tests' 2-layer Llama).
+        naming = self.unit.traced_naming
+        if naming is None:
+            key = self.spec.key
+        elif naming == FRAME_NAMING:
+            key = self.frame_spec.key
+        elif naming == NESTED_NAMING:
+            key = self.nested_frame_spec.key
+        else:
+            key = _spec_key_as_root(self, naming)
+        full = gather_op(self.local_view, key)
         self.gathered = full if self._reads_gathered_as_is else self._for_compute(full)
         self.state = ParamState.GATHERED
         forward_context.frames[-1].append(self)  # the innermost running forward drops it when it returns
