@@ -340,9 +340,16 @@ def saved_activation_bytes(name: str) -> int:
     return sum(seen.values())
 
 
+def _saved_bytes(forward: torch.fx.GraphModule) -> int:
+    """Bytes a compiled forward graph hands to the backward (its outputs after the model's own)."""
+    outputs = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+    saved = [n.meta.get("val") for n in outputs[1:]]
+    return sum(t.numel() * t.element_size() for t in saved if isinstance(t, torch.Tensor))
+
+
 def compiled_saved_bytes(name: str) -> int:
-    """Bytes the compiled forward graph hands to the backward (its outputs after the
-    model's own), with AOTAutograd's min-cut partitioner as under Inductor."""
+    """:func:`_saved_bytes` of ``name``'s compiled forward, with AOTAutograd's min-cut
+    partitioner as under Inductor."""
     from tests.test_layouts import _capturing_backend
 
     model, units = build(name)
@@ -350,9 +357,24 @@ def compiled_saved_bytes(name: str) -> int:
     graphs: list = []
     x, _ = batch(name, 0)
     torch.compile(model, backend=_capturing_backend(graphs))(_local(x)).sum().backward()
-    outputs = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0]
-    saved = [n.meta.get("val") for n in outputs[1:]]
-    return sum(t.numel() * t.element_size() for t in saved if isinstance(t, torch.Tensor))
+    return _saved_bytes(graphs[0])
+
+
+def train_min_cut_counting_saved_bytes(name: str) -> dict:
+    """:func:`~tests.test_parity.train` compiled with ``aot_eager``'s graphs partitioned by
+    AOTAutograd's min-cut partitioner, as under Inductor (recomputing an op in the backward
+    gives its bits again); with the :func:`_saved_bytes` of its forward."""
+    import tests.test_parity as parity
+    from tests.test_layouts import _capturing_backend
+
+    graphs: list = []
+    parity.COMPILE_BACKENDS["ours-aot_eager-min_cut"] = _capturing_backend(graphs)
+    try:
+        record = train(name, "ours-aot_eager-min_cut")
+    finally:
+        del parity.COMPILE_BACKENDS["ours-aot_eager-min_cut"]
+    record["saved_bytes"] = _saved_bytes(graphs[0])
+    return record
 
 
 # ---------------------------------------------------------------- tests
@@ -567,20 +589,22 @@ def test_activation_checkpointing_eager_is_bitwise_equal_to_no_checkpointing(poo
 
 
 def test_activation_checkpointing_under_compile(pool2):
-    """The same checkpointed model compiled: aot_eager trains bitwise like eager without
-    checkpointing, in one graph, and selective checkpointing through Inductor's partitioner
-    and our passes (``inductor_passes``) to fp32 rounding; and the
-    compiled forward hands the backward fewer bytes (full < selective < none)."""
+    """The same checkpointed model compiled: aot_eager with Inductor's (min-cut) partitioner
+    trains bitwise like eager without checkpointing, in one graph, and selective
+    checkpointing through Inductor's graph pipeline and our passes (``inductor_passes``) to
+    fp32 rounding; and the compiled forward hands the backward fewer bytes (full <
+    selective < none)."""
     without = pool2.run(train, "llama", "ours-eager")[0]
+    saved = {"llama": pool2.run(compiled_saved_bytes, "llama")[0]}
     for name in ("llama_ac", "llama_sac"):
-        compiled = pool2.run(train, name, "ours-aot_eager")[0]
+        compiled = pool2.run(train_min_cut_counting_saved_bytes, name)[0]
         assert compiled["loss"] == without["loss"], name
         _equal(compiled["params"][-1], without["params"][-1])
         assert compiled["frames"] == 1
+        saved[name] = compiled["saved_bytes"]
     inductor = pool2.run(train, "llama_sac", "ours-inductor_passes")[0]
     _equal(inductor["params"][-1], without["params"][-1], rtol=1e-5, atol=1e-6)
     assert inductor["frames"] == 1
-    saved = {name: pool2.run(compiled_saved_bytes, name)[0] for name in ("llama", "llama_sac", "llama_ac")}
     assert saved["llama_ac"] < saved["llama_sac"] < saved["llama"], saved
 
 

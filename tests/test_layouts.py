@@ -113,8 +113,16 @@ def pool4(rank_pools):
 
 
 def test_hsdp_2x2_matches_reference_and_torch_hsdp(pool4):
-    variants = ["reference", *OURS_4, "fsdp2"]
-    _check_parity(pool4.run(train_all, "llama", variants, 3, False, None, "hsdp"), variants)
+    """HSDP 2x2 against the reference and torch's HSDP; the run through our passes is the
+    default configuration's (``config.gloo_all_to_all``), counting its collectives: the
+    mesh groups' all-gathers and reduce-scatters are all-to-alls, the replicate
+    dimension's all-reduces stay."""
+    through_passes = "ours-aot_eager_passes-a2a"
+    variants = ["reference", "ours-eager", "ours-aot_eager", through_passes, "fsdp2"]
+    per_rank = pool4.run(train_all, "llama", variants, 3, False, None, "hsdp")
+    _check_parity(per_rank, variants)
+    collectives = per_rank[0][through_passes]["collectives"]
+    assert collectives["all_gather_into_tensor"] == collectives["reduce_scatter_tensor"] == 0 < collectives["all_to_all_single"]
 
 
 def test_hsdp_shards_over_dim_1_and_all_reduces_over_dim_0(pool4):
@@ -257,16 +265,15 @@ def test_shard_placement_copies_only_across_devices():
     assert kept.to_storage(t) is t and kept.to_compute(t) is t
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
-def test_gloo_all_to_all_on_4_ranks_matches_the_reference(pool4, layout):
+def test_gloo_all_to_all_on_4_ranks_matches_the_reference(pool4):
     """``config.gloo_all_to_all`` over 4 ranks (1-D: a reduce-scatter sums 4 slices, in
-    torch's order rather than gloo's) and HSDP 2x2 (mesh groups; the replicate
-    dimension's all-reduces stay): every rank the same, within fp32 rounding of the
+    torch's order rather than gloo's): every rank the same, within fp32 rounding of the
     single-process reference; the compiled code's all-gathers and reduce-scatters are
     all-to-alls, in the graphs after our passes (``aot_eager_passes``; in Inductor's code,
-    and bitwise against gloo's own collectives on 2 ranks: test_parity)."""
+    and bitwise against gloo's own collectives on 2 ranks: test_parity; HSDP 2x2's mesh
+    groups: test_hsdp_2x2_matches_reference_and_torch_hsdp)."""
     variants = ["reference", "ours-aot_eager_passes-a2a"]
-    per_rank = pool4.run(train_all, "llama", variants, 3, False, None, layout)
+    per_rank = pool4.run(train_all, "llama", variants, 3, False, None, "fsdp")
     for other in per_rank[1:]:
         for v in variants:
             _assert_records_equal(per_rank[0][v], other[v], exact=True, what=v)
