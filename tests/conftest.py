@@ -17,26 +17,6 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 pytest_plugins = ["fsdp_compile.testing.pytest_plugin"]
 
-#: The files that take longest, longest first (CONTRIBUTING.md, suite time): they run
-#: first, so that the two pytest-xdist workers (``-n 2 --dist loadfile`` in pyproject's
-#: addopts, one file per worker at a time) are not left with one long file at the end,
-#: one worker busy and the other idle. The rest keep their order.
-HEAVIEST_FILES_FIRST = (
-    "test_tensor_parallel.py",
-    "test_layouts.py",
-    "test_real_models.py",
-    "test_dynamic.py",
-    "test_parity.py",
-    "test_features.py",
-    "test_spmd_mesh.py",
-    "test_low_precision.py",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(HEAVIEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file is kept
-
 
 @pytest.fixture(scope="session")
 def pool2(rank_pool):
