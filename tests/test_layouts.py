@@ -112,6 +112,12 @@ def pool4(rank_pools):
     return rank_pools(4)
 
 
+def _assert_all_to_alls_only(collectives: dict) -> None:
+    """The graphs' all-gathers and reduce-scatters all went out as all-to-alls (``config.gloo_all_to_all``)."""
+    gathers, reduce_scatters = collectives["all_gather_into_tensor"], collectives["reduce_scatter_tensor"]
+    assert gathers == reduce_scatters == 0 < collectives["all_to_all_single"], collectives
+
+
 def test_hsdp_2x2_matches_reference_and_torch_hsdp(pool4):
     """HSDP 2x2 against the reference and torch's HSDP; the run through our passes is the
     default configuration's (``config.gloo_all_to_all``), counting its collectives: the
@@ -122,7 +128,7 @@ def test_hsdp_2x2_matches_reference_and_torch_hsdp(pool4):
     per_rank = pool4.run(train_all, "llama", variants, 3, False, None, "hsdp")
     _check_parity(per_rank, variants)
     collectives = per_rank[0][through_passes]["collectives"]
-    assert collectives["all_gather_into_tensor"] == collectives["reduce_scatter_tensor"] == 0 < collectives["all_to_all_single"]
+    _assert_all_to_alls_only(collectives)
 
 
 def test_hsdp_shards_over_dim_1_and_all_reduces_over_dim_0(pool4):
@@ -280,7 +286,7 @@ def test_gloo_all_to_all_on_4_ranks_matches_the_reference(pool4):
     result = per_rank[0]
     _assert_records_equal(result["ours-aot_eager_passes-a2a"], result["reference"], exact=False, what="all-to-all vs reference")
     collectives = result["ours-aot_eager_passes-a2a"]["collectives"]
-    assert collectives["all_gather_into_tensor"] == collectives["reduce_scatter_tensor"] == 0 < collectives["all_to_all_single"]
+    _assert_all_to_alls_only(collectives)
 
 
 # ------------------------------------------------- parameters of non-contiguous layout
