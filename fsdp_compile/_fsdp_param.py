@@ -594,17 +594,17 @@ class FSDPParam:
     def _local_shard(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local tensor the gather reads. Traced: :attr:`local_view` (see [Note: plain
         graph inputs]), or ``to_local()`` where the parameter was frozen or unfrozen since.
-        Eager: a fresh ``to_local()``, whose autograd node is as new as the gather's, so
-        autograd accumulates each gradient (and runs its hooks) as soon as it is reduced."""
+        Eager: a fresh alias (:func:`alias_of_local_tensor`, not ``to_local()``, whose
+        backward compiled autograd cannot trace), whose autograd node is as new as the
+        gather's, so autograd accumulates each gradient (and runs its hooks) as soon as it
+        is reduced."""
         if execution_mode() is ExecutionMode.TRACED:
             view = self.local_view
             return view if view.requires_grad == sharded_param.requires_grad else sharded_param.to_local()
         local = local_tensor_of(sharded_param)
         if self.local_view.data_ptr() != local.data_ptr() or self.local_view.shape != local.shape:
             self.refresh_local_view()  # replaced since (a compiled step would read a stale alias)
-        if functorch_transforms_active():  # (DTensor's to_local has no setup_context)
-            return alias_of_local_tensor(sharded_param)
-        return sharded_param.to_local()
+        return alias_of_local_tensor(sharded_param)
 
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local shard on the compute device, its shard dim first (a complex one as its

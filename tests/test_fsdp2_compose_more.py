@@ -317,6 +317,10 @@ def shard_placement_contiguous(kind: str) -> list[str]:
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
     model(x).sum().backward()
     check("backward", grads=True)
+    if kind == "ours":  # compiled too: the gradient comes back from the graph transposed
+        model.zero_grad(set_to_none=True)
+        torch.compile(model, backend="aot_eager")(x).sum().backward()
+        check("compiled backward", grads=True)
     return failed
 
 
@@ -647,7 +651,7 @@ def test_shard_placement_fn_contiguous_params_grads(pool2, kind):
     """upstream: test_fully_shard_training.py::TestFullyShardShardPlacementFnMultiThread::test_shard_placement_fn_contiguous_params_grads.
     Adapted: 2 gloo processes instead of 4 threads; ``MLP(4)`` with ``Shard(1)`` for
     matrices: parameters, local shards and gradients contiguous at init, in each unit's
-    forward and after backward."""
+    forward and after backward, eager and (ours) compiled."""
     for r in pool2.run(shard_placement_contiguous, kind):
         assert r == [], r
 

@@ -159,6 +159,17 @@ class _AliasOfLocalTensor(torch.autograd.Function):
         if ctx.on_backward is not None:
             ctx.on_backward()
         dtensor = _dtensor_class()
+        # The spec says the gradient is laid out as the (contiguous) shard, and autograd's
+        # accumulation takes a gradient whose ``DTensor`` strides match as it is: so it must
+        # be (a shard dim other than 0 hands back a transposed one).
+        grad = grad.contiguous()
+        if torch.compiler.is_compiling():
+            # Traced (compiled autograd's backward graph): Dynamo cannot trace ``__new__``.
+            spec = ctx.spec
+            full = dtensor.from_local(
+                grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+            )
+            return full, None, None
         return dtensor.__new__(dtensor, grad, ctx.spec, requires_grad=False), None, None
 
 
