@@ -166,9 +166,7 @@ class _AliasOfLocalTensor(torch.autograd.Function):
         if torch.compiler.is_compiling():
             # Traced (compiled autograd's backward graph): Dynamo cannot trace ``__new__``.
             spec = ctx.spec
-            full = dtensor.from_local(
-                grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
-            )
+            full = dtensor.from_local(grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
             return full, None, None
         return dtensor.__new__(dtensor, grad, ctx.spec, requires_grad=False), None, None
 
