@@ -137,9 +137,10 @@ class _AliasOfLocalTensor(torch.autograd.Function):
     its storage and version counter but carries no autograd view metadata, so in-place
     writes to the parameter (optimizer steps) never make autograd regenerate its
     ``grad_fn`` (which torch refuses for a view made in a custom Function).
-    Backward: the gradient as a ``DTensor`` of the parameter's own spec (what
+    Backward: the gradient, contiguous, as a ``DTensor`` of the parameter's own spec (what
     ``from_local`` would build, made by ``DTensor.__new__`` directly: this runs once per
-    parameter per step, and ``from_local`` is an autograd Function with argument checks).
+    parameter per step, and ``from_local`` is an autograd Function with argument checks;
+    ``from_local`` where Dynamo traces it, under compiled autograd).
     ``on_backward()`` (if given) is called first, at every backward (``FSDPParam`` checks
     there whether the parameter was frozen since; no reference to the parameter is kept
     here: a weak one would stop ``swap_tensors``)."""
