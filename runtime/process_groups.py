@@ -4,41 +4,66 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-_SIDE_GROUP = None
 
-# Group name -> (the default process group then, a label that is the same on every
-# rank, e.g. "mesh dim 'shard' of size 2"). On a 2-D mesh each rank's shard group is a
-# different group with a different name; comparisons across ranks (the consistency
-# check) use this. Group names are reused after destroy_process_group, hence the
-# default group: a label from an earlier process group does not apply.
-_GROUP_LABELS: dict[str, tuple[object, str]] = {}
+class _WorldTables:
+    """What this module keeps for one default process group.
+
+    ``labels``: group name -> a label that is the same on every rank (e.g. "mesh dim
+    'shard' of size 2"): on a 2-D mesh each rank's shard group is a different group with
+    a different name; comparisons across ranks (the consistency check) use the label.
+    ``post_forward``: (mesh ranks, group size) -> the mesh whose dim 1 is
+    ``reshard_after_forward=<int>``'s group: one set of groups for every unit that asks.
+    ``tensor_parallel``: names of the groups of the meshes tensor parallelism put
+    parameters on (their collectives are DTensor's, not ours). ``side``: the side group."""
+
+    def __init__(self) -> None:
+        self.labels: dict[str, str] = {}
+        self.post_forward: dict[tuple, object] = {}
+        self.tensor_parallel: set[str] = set()
+        self.side = None
 
 
-# (mesh ranks, group size) -> (the default process group then, the mesh whose dim 1 is
-# reshard_after_forward=<int>'s group): one set of groups for every unit that asks.
-_POST_FORWARD_MESHES: dict[tuple, tuple] = {}
-
-
-# Groups of the meshes tensor parallelism put parameters on (their collectives are
-# DTensor's, not ours), with the default process group then (see _GROUP_LABELS).
-_TENSOR_PARALLEL_GROUPS: dict[str, object] = {}
+# id(default process group) -> (that group, its tables). Per default group, not one for
+# the process: ranks that are threads of one process (torch's ``threaded`` group, as
+# ``MultiThreadedTestCase`` runs them) each have their own default group, and must not
+# find the groups another thread-rank created (a group is created by every rank of the
+# world together: a rank that found one cached skipped the creation, and the others
+# hung in it); and group names are reused after ``destroy_process_group``, so a process
+# group made again starts with empty tables (the side group of the old one is gone).
+_TABLES: dict[int, tuple[object, _WorldTables]] = {}
+_TABLES_LOCK = threading.Lock()
+_TABLES_KEPT = 16  # default groups whose tables are kept: the most recently created
 
 
 def _default_group():
     return dist.group.WORLD if dist.is_initialized() else None
 
 
+def _tables() -> _WorldTables:
+    """The tables of this rank's default process group (made on first use)."""
+    world = _default_group()
+    with _TABLES_LOCK:
+        entry = _TABLES.get(id(world))
+        if entry is None or entry[0] is not world:
+            _TABLES.pop(id(world), None)
+            entry = _TABLES[id(world)] = (world, _WorldTables())
+            while len(_TABLES) > _TABLES_KEPT:
+                _TABLES.pop(next(iter(_TABLES)))
+        return entry[1]
+
+
 def group_label(group_name: str) -> str:
     """A rank-independent name for a group: a dimension of a mesh we were given, else
     the group's shape (each rank's tensor-parallel group is another group, with
     another name), else the name itself."""
-    world, label = _GROUP_LABELS.get(group_name, (None, None))
-    if label is not None and world is _default_group():
+    label = _tables().labels.get(group_name)
+    if label is not None:
         return label
     from fsdp_compile.base.compat import group_ranks
 
@@ -56,16 +81,17 @@ def label_mesh_groups(mesh, *, tensor_parallel: bool = False, data_parallel_dims
     dimensions but ``data_parallel_dims`` are tensor-parallel ones."""
     from fsdp_compile.base.compat import group_name_of
 
+    tables = _tables()
     for dim in range(mesh.ndim):
         name = group_name_of(mesh.get_group(dim))
         dim_name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
-        _GROUP_LABELS[name] = (_default_group(), f"mesh dim {dim_name!r} of size {mesh.size(dim)}")
+        tables.labels[name] = f"mesh dim {dim_name!r} of size {mesh.size(dim)}"
         if tensor_parallel and dim not in data_parallel_dims:
-            _TENSOR_PARALLEL_GROUPS[name] = _default_group()
+            tables.tensor_parallel.add(name)
 
 
 def is_tensor_parallel_group(group_name: str | None) -> bool:
-    return group_name in _TENSOR_PARALLEL_GROUPS and _TENSOR_PARALLEL_GROUPS[group_name] is _default_group()
+    return group_name in _tables().tensor_parallel
 
 
 def all_gather_json(value, group=None, device: torch.device | None = None) -> list:
@@ -92,10 +118,10 @@ def side_group(timeout_s: float):
 
     Created on first use, which every rank must reach (it is a collective call).
     """
-    global _SIDE_GROUP
-    if _SIDE_GROUP is None:
-        _SIDE_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return _SIDE_GROUP
+    tables = _tables()
+    if tables.side is None:
+        tables.side = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return tables.side
 
 
 def is_real_multi_rank() -> bool:
@@ -188,12 +214,13 @@ class DataParallelMesh:
         from fsdp_compile.base.compat import group_name_of
 
         key = (tuple(self.mesh.mesh.flatten().tolist()), size)
-        world, mesh = _POST_FORWARD_MESHES.get(key, (None, None))
-        if world is not _default_group():  # first use, or the process group was re-created since
+        tables = _tables()
+        mesh = tables.post_forward.get(key)
+        if mesh is None:  # first use in this process group
             rows = self.mesh.mesh.reshape(-1, size)
             mesh = DeviceMesh(self.mesh.device_type, rows, mesh_dim_names=("post_forward_rows", "post_forward"))
             label_mesh_groups(mesh)
-            _POST_FORWARD_MESHES[key] = (_default_group(), mesh)
+            tables.post_forward[key] = mesh
         return group_name_of(mesh.get_group(1)), size, mesh.get_local_rank(1)
 
     def reduce_group_names(self, sharded: bool) -> tuple[str, ...]:

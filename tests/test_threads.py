@@ -50,8 +50,8 @@ def _train(base: torch.nn.Module, backend: str | None, steps: int = 3) -> float:
     return max((full_tensor(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
-def _run_as_threads(fn, *args) -> list:
-    """``fn(*args)`` on ``WORLD_SIZE`` threads, each a rank of a ``threaded`` process group
+def _run_as_threads(fn, *args, world_size: int = WORLD_SIZE) -> list:
+    """``fn(*args)`` on ``world_size`` threads, each a rank of a ``threaded`` process group
     (as torch's ``MultiThreadedTestCase`` sets them up); each rank's result, or raises
     with every failing rank's traceback."""
     from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
@@ -61,7 +61,7 @@ def _run_as_threads(fn, *args) -> list:
 
     def rank_main(rank: int) -> None:
         try:
-            dist.init_process_group("threaded", rank=rank, world_size=WORLD_SIZE, store=store)
+            dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             results[rank] = ("ok", fn(*args))
         except BaseException:  # noqa: BLE001 - reported below
             results[rank] = ("error", traceback.format_exc())
@@ -71,7 +71,7 @@ def _run_as_threads(fn, *args) -> list:
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
     try:
-        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(WORLD_SIZE)]
+        threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(world_size)]
         for t in threads:
             t.start()
         for t in threads:
@@ -82,7 +82,7 @@ def _run_as_threads(fn, *args) -> list:
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
     assert not failures, "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
-    return [results[rank][1] for rank in range(WORLD_SIZE)]
+    return [results[rank][1] for rank in range(world_size)]
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
@@ -94,6 +94,37 @@ def test_ranks_as_threads_train_like_the_unsharded_model(backend):
     # Nothing the threads traced or ran leaves an annotation behind for later traces
     # (torch's ``fx.traceback.annotate`` keeps it in one process-wide dict).
     assert "custom" not in torch.fx.traceback.current_meta, torch.fx.traceback.current_meta
+
+
+def _shard_three_ways_in_turn() -> list[bool]:
+    """Upstream's ``test_param_registration_after_backward`` (test_fully_shard_training.py),
+    multi-unit half: a model sharded with ``reshard_after_forward`` True, False, then 2 (a
+    smaller group than the 4 ranks, created by all of them together), then the same again
+    with three units; a step each. Whether every parameter is a ``DTensor`` after each."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compile import fully_shard
+
+    registered = []
+    for units in (1, 3):
+        for reshard_after_forward in (True, False, 2):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+            if units == 3:
+                fully_shard(model[0], reshard_after_forward=reshard_after_forward)
+                fully_shard(model[2], reshard_after_forward=reshard_after_forward)
+            fully_shard(model, reshard_after_forward=reshard_after_forward)
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(0))).sum().backward()
+            registered.append(all(isinstance(p, DTensor) for p in model.parameters()))
+    return registered
+
+
+def test_groups_made_by_all_thread_ranks_are_made_by_each():
+    """The groups ``reshard_after_forward=2`` keeps shards over are made by all ranks of the
+    world together. Made once per process and kept in a module-level table, the thread-rank
+    that found them (made by another thread-rank) skipped making them and the other three
+    hung in it, as upstream's test did against ours; now each default process group keeps
+    its own groups."""
+    assert _run_as_threads(_shard_three_ways_in_turn, world_size=4) == [[True] * 6] * 4
 
 
 def test_a_forward_on_one_thread_keeps_the_end_of_backward_calls_of_another():
