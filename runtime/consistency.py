@@ -16,9 +16,7 @@ import torch
 
 from fsdp_compile.base import config
 from fsdp_compile.base.compat import mark_side_effectful
-from fsdp_compile.runtime.process_groups import all_gather_json, is_real_multi_rank, side_group
-
-_verified: set[str] = set()
+from fsdp_compile.runtime.process_groups import all_gather_json, is_real_multi_rank, side_group, verified_fingerprints
 
 
 def _describe(entry) -> str:
@@ -82,10 +80,12 @@ def verify_across_ranks(graph_name: str, fingerprint: list) -> None:
 
 @torch.library.custom_op("fsdp_compile::check_collective_sequence", mutates_args=())
 def check_collective_sequence(graph_name: str, fingerprint_json: str) -> torch.Tensor:
-    """Compare this graph's collective fingerprint across ranks, once per fingerprint."""
-    if fingerprint_json not in _verified and is_real_multi_rank():
+    """Compare this graph's collective fingerprint across ranks, once per fingerprint (and
+    per default process group: a group made again checks again)."""
+    verified = verified_fingerprints()
+    if fingerprint_json not in verified and is_real_multi_rank():
         verify_across_ranks(graph_name, json.loads(fingerprint_json))
-    _verified.add(fingerprint_json)
+    verified.add(fingerprint_json)
     return torch.empty(0)
 
 

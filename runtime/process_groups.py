@@ -20,13 +20,15 @@ class _WorldTables:
     ``post_forward``: (mesh ranks, group size) -> the mesh whose dim 1 is
     ``reshard_after_forward=<int>``'s group: one set of groups for every unit that asks.
     ``tensor_parallel``: names of the groups of the meshes tensor parallelism put
-    parameters on (their collectives are DTensor's, not ours). ``side``: the side group."""
+    parameters on (their collectives are DTensor's, not ours). ``side``: the side group.
+    ``verified``: the collective fingerprints the consistency check compared already."""
 
     def __init__(self) -> None:
         self.labels: dict[str, str] = {}
         self.post_forward: dict[tuple, object] = {}
         self.tensor_parallel: set[str] = set()
         self.side = None
+        self.verified: set[str] = set()
 
 
 # id(default process group) -> (that group, its tables). Per default group, not one for
@@ -56,6 +58,11 @@ def _tables() -> _WorldTables:
             while len(_TABLES) > _TABLES_KEPT:
                 _TABLES.pop(next(iter(_TABLES)))
         return entry[1]
+
+
+def verified_fingerprints() -> set[str]:
+    """The collective fingerprints compared across the ranks of this process group."""
+    return _tables().verified
 
 
 def group_label(group_name: str) -> str:
