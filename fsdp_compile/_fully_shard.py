@@ -81,7 +81,8 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
     torch's ``torch.distributed.fsdp.FSDPModule``, so the checks other stacks make
     (torchtitan, accelerate, ``transformers.Trainer``, pipelining) see our units too and
     call our methods: every public method of torch's class is overridden here (a test
-    holds that), and FSDP2's internal state (``_get_fsdp_state``) is refused by name.
+    holds that), and FSDP2's internal state (``_get_fsdp_state``) is a stand-in that gives torch's
+    public functions what they read of it and refuses the rest by name.
     As FSDP2's, constructing the class again (``Sequential[0:2]``) builds the original
     class (torch's ``__new__``, with this class's ``_orig_cls_mro_index``).
     """
@@ -157,10 +158,14 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
     def _get_fsdp_state(self):
-        raise RuntimeError(
-            f"{type(self).__name__} is sharded by fsdp_compile.fully_shard, which has no FSDP2 internal state "
-            "(torch.distributed.fsdp._fully_shard's FSDPState); use the public FSDPModule methods instead"
-        )
+        """Not FSDP2's state: what torch's public ``register_fsdp_forward_method`` and
+        ``share_comm_ctx`` read of it, done for ours; any other attribute raises, naming
+        this module (see ``fsdp_compile._torch_state``)."""
+        from fsdp_compile._torch_state import TorchFSDPStateStandIn
+
+        if not isinstance(self, FSDPModule):
+            raise RuntimeError(f"{type(self).__name__} is not sharded: it has no FSDP state")
+        return TorchFSDPStateStandIn(self)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2's private switch for async all-gathers on its streams; accepted, changes nothing

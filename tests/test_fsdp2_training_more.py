@@ -32,8 +32,10 @@ def _mp_policy(kind: str):
     return MixedPrecisionPolicy
 
 
-def _register_fsdp_forward_method(kind: str):
-    if kind == "fsdp2":
+def _register_fsdp_forward_method(source: str):
+    """torch's function (what a user who switched only ``fully_shard`` calls, as
+    ``transformers.Trainer`` does for ``generate``), or ours."""
+    if source == "torch":
         from torch.distributed.fsdp import register_fsdp_forward_method
     else:
         from fsdp_compile import register_fsdp_forward_method
@@ -184,7 +186,7 @@ class ProjectedVision(nn.Module):
         return self.projector(self.vit.forward_features(x)).sum()
 
 
-def register_fsdp_forward_method_case(kind: str, backend: str | None = None) -> dict:
+def register_fsdp_forward_method_case(kind: str, backend: str | None = None, source: str = "torch") -> dict:
     from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
@@ -195,7 +197,7 @@ def register_fsdp_forward_method_case(kind: str, backend: str | None = None) -> 
     fully_shard(model.vit)
     fully_shard(model.projector)
     fully_shard(model)
-    _register_fsdp_forward_method(kind)(model.vit, "forward_features")
+    _register_fsdp_forward_method(source)(model.vit, "forward_features")
     gen = torch.Generator().manual_seed(42 + dist.get_rank())
     x = torch.randn(2, 3, 28, 28, generator=gen)
     loss, ref_loss = (torch.compile(model, backend=backend) if backend else model)(x), ref(x)
@@ -427,12 +429,16 @@ def test_double_forward_with_nested_fsdp_and_checkpoint(pool2, kind, reshard):
 # -- test_fully_shard_training.py::TestFullyShardCustomForwardMethod
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_register_fsdp_forward_method(pool2, kind):
+@pytest.mark.parametrize(
+    "kind,source", [(kind, source) for kind in KINDS for source in ("torch", "fsdp_compile") if (kind, source) != ("fsdp2", "fsdp_compile")]
+)
+def test_register_fsdp_forward_method(pool2, kind, source):
     """upstream: test_fully_shard_training.py::TestFullyShardCustomForwardMethod::test_register_fsdp_forward_method.
     Adapted: 2 gloo ranks on CPU, a 28x28 input, 64 channels and a 16-wide projector
-    instead of 224x224 / 1024 / 256; loss and averaged gradients match the reference."""
-    for r in pool2.run(register_fsdp_forward_method_case, kind):
+    instead of 224x224 / 1024 / 256; loss and averaged gradients match the reference.
+    With torch's ``register_fsdp_forward_method`` (upstream's import, only ``fully_shard``
+    switched: it failed on ours, reaching for FSDP2's state) and with ours."""
+    for r in pool2.run(register_fsdp_forward_method_case, kind, None, source):
         torch.testing.assert_close(r["loss"], r["ref_loss"])
         _close_grads(r["grads"], r["ref_grads"])
 

@@ -231,14 +231,21 @@ def _pickle_and_copy_a_sharded_parameter() -> tuple:
     return torch.equal(copied.to_local(), p.to_local()), torch.equal(loaded.to_local(), p.to_local()), copied is not p
 
 
-def test_our_units_are_torchs_fsdp_modules_and_refuse_its_internals():
+def test_our_units_are_torchs_fsdp_modules_and_refuse_its_internals(fake_pg):
+    """torch's public ``share_comm_ctx`` (which reads FSDP2's state) runs on our units; any
+    other part of FSDP2's state is refused, naming the module."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import share_comm_ctx
 
-    from fsdp_compile import FSDPModule
+    from fsdp_compile import FSDPModule, fully_shard
 
     assert issubclass(FSDPModule, TorchFSDPModule)
-    with pytest.raises(RuntimeError, match="no FSDP2 internal state"):
+    with pytest.raises(RuntimeError, match="not sharded"):
         FSDPModule._get_fsdp_state(nn.Linear(2, 2))
+    blocks = [fully_shard(nn.Linear(2, 2)) for _ in range(2)]
+    share_comm_ctx(blocks)
+    with pytest.raises(AttributeError, match=r"FSDPLinear is sharded by fsdp_compile.fully_shard, .* '_fsdp_param_group'"):
+        getattr(blocks[0]._get_fsdp_state(), "_fsdp_param_group")  # noqa: B009
 
 
 def outputs_after_loading_weights(kind: str) -> dict:
