@@ -107,6 +107,13 @@ def _resolve_reshard_size(reshard_after_forward, dp_mesh: DataParallelMesh, owne
     return reshard_after_forward
 
 
+class FSDP2AssertionError(ValueError, AssertionError):
+    """Bad input that FSDP2 refuses with an ``AssertionError``: a ``ValueError``, as every
+    bad-input error here, that is also FSDP2's ``AssertionError``, so that code written
+    against FSDP2 (its own tests included) catches it where it caught FSDP2's. Its message
+    holds FSDP2's words too."""
+
+
 def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str) -> int:
     """The dimension ``shard_placement_fn`` (FSDP2's) shards ``param`` on; 0 by default."""
     placement = None if shard_placement_fn is None or param.ndim == 0 else shard_placement_fn(param)
@@ -119,9 +126,10 @@ def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str
         )
     dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.ndim:
-        raise ValueError(
+        raise FSDP2AssertionError(
             f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r} "
-            f"of shape {list(param.shape)}; the dimension must be in [-{param.ndim}, {param.ndim})"
+            f"of shape {list(param.shape)}; the dimension must be in [-{param.ndim}, {param.ndim}) (FSDP2: Shard dim "
+            f"{placement.dim} is invalid for {param.ndim}D tensor)"
         )
     return dim
 
@@ -147,12 +155,13 @@ def _validate_mesh(mesh: DeviceMesh, modules: list[nn.Module], offload_policy, s
     if shard and mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard({name}) got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; use a 1-D mesh (FSDP) "
-            "or a 2-D (replicate, shard) mesh (HSDP)"
+            f"or a 2-D (replicate, shard) mesh (HSDP) (FSDP2: fully_shard expects a 1D or 2D DeviceMesh but got {mesh})"
         )
     if shard and mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
+        raise FSDP2AssertionError(
             f"fully_shard({name}) got a 2-D mesh without mesh_dim_names; for HSDP build it as "
-            'init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))'
+            'init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard")) '
+            "(FSDP2: Please init the 2D mesh for HSDP with mesh_dim_names specified)"
         )
     if not shard and mesh.ndim != 1:
         raise ValueError(f"replicate({name}) got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; it needs a 1-D mesh")

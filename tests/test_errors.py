@@ -79,15 +79,33 @@ def test_torchs_fully_shard_inside_is_refused(fake_pg):
 
 
 def test_two_dimensional_mesh_needs_dim_names(fake_pg):
+    """Also FSDP2's error (an ``AssertionError`` with its words: upstream's
+    ``test_2d_mesh_without_mesh_dim_names`` expects it)."""
     mesh = init_device_mesh("cpu", (2, 4))
-    with pytest.raises(ValueError, match="2-D mesh without mesh_dim_names.*HSDP"):
+    with pytest.raises(ValueError, match="2-D mesh without mesh_dim_names.*HSDP") as raised:
         fully_shard(nn.Linear(4, 4), mesh=mesh)
+    assert isinstance(raised.value, AssertionError)
+    assert "Please init the 2D mesh for HSDP with mesh_dim_names specified" in str(raised.value)
 
 
 def test_three_dimensional_mesh(fake_pg):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
     with pytest.raises(ValueError, match=r"Linear\) got a 3-D mesh"):
         fully_shard(nn.Linear(4, 4), mesh=mesh)
+    with pytest.raises(ValueError, match=r"fully\_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"):  # upstream's
+        fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_shard_placement_outside_the_parameters_dims(fake_pg):
+    """Named, with the parameter's shape; also FSDP2's ``AssertionError`` and words
+    (upstream's ``test_invalid_shard_dim``)."""
+    from torch.distributed.tensor import Shard
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+    with pytest.raises(ValueError, match=r"parameter '0.bias' of shape \[16\]; the dimension must be in \[-1, 1\)") as raised:
+        fully_shard(model, shard_placement_fn=lambda p: Shard(1))
+    assert isinstance(raised.value, AssertionError) and "Shard dim 1 is invalid for 1D tensor" in str(raised.value)
+    assert type(model) is nn.Sequential
 
 
 def test_replicate_needs_one_dimensional_mesh(fake_pg):
