@@ -161,11 +161,11 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         """Not FSDP2's state: what torch's public ``register_fsdp_forward_method`` and
         ``share_comm_ctx`` read of it, done for ours; any other attribute raises, naming
         this module (see ``fsdp_compile._torch_state``)."""
-        from fsdp_compile._torch_state import TorchFSDPStateStandIn
+        from fsdp_compile._torch_state import torch_state_of
 
         if not isinstance(self, FSDPModule):
             raise RuntimeError(f"{type(self).__name__} is not sharded: it has no FSDP state")
-        return TorchFSDPStateStandIn(self)
+        return torch_state_of(self, self._fsdp_unit.modules[0])
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2's private switch for async all-gathers on its streams; accepted, changes nothing

@@ -242,8 +242,13 @@ def test_our_units_are_torchs_fsdp_modules_and_refuse_its_internals(fake_pg):
     assert issubclass(FSDPModule, TorchFSDPModule)
     with pytest.raises(RuntimeError, match="not sharded"):
         FSDPModule._get_fsdp_state(nn.Linear(2, 2))
-    blocks = [fully_shard(nn.Linear(2, 2)) for _ in range(2)]
-    share_comm_ctx(blocks)
+    blocks = [fully_shard(nn.Linear(2, 2)) for _ in range(3)]
+    # Each unit its own context until share_comm_ctx (torch 2.15's pipeline schedules
+    # refuse stages that share one, comparing them by identity), then those it was given.
+    contexts = lambda: [id(b._get_fsdp_state()._comm_ctx) for b in blocks]  # noqa: E731
+    assert len(set(contexts())) == 3
+    share_comm_ctx(blocks[:2])
+    assert contexts()[0] == contexts()[1] != contexts()[2]
     with pytest.raises(AttributeError, match=r"FSDPLinear is sharded by fsdp_compile.fully_shard, .* '_fsdp_param_group'"):
         getattr(blocks[0]._get_fsdp_state(), "_fsdp_param_group")  # noqa: B009
 
