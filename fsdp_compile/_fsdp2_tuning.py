@@ -85,8 +85,8 @@ class FSDP2TuningMethods:
         without sync, then sync on and ``finalize_backward``): reduced now, one
         reduce-scatter per bucket, as FSDP2's. Returns a handle whose ``wait()`` returns at
         once when ``async_op``."""
+        from fsdp_compile._fsdp2_state_view import finish_gradient_accumulation
         from fsdp_compile._fully_shard import units_in
-        from fsdp_compile._pipelining import finish_gradient_accumulation
 
         for unit in units_in(self):
             finish_gradient_accumulation(unit)

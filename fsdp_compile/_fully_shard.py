@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp_compile import _eager
+from fsdp_compile._fsdp2_state_view import fsdp2_state_view, register_fsdp2_state_view
 from fsdp_compile._fsdp2_tuning import FSDP2TuningMethods
 from fsdp_compile._fsdp_init import (
     _SHARDED_AS,
@@ -50,7 +51,6 @@ from fsdp_compile._fsdp_state import (
 )
 from fsdp_compile._local_shard_optimizer import install_default_local_step
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
-from fsdp_compile._pipelining import register_pipelining_view
 from fsdp_compile._tensor_parallel import data_parallel_sub_mesh
 from fsdp_compile.base.compat import (
     allow_side_effects,
@@ -158,14 +158,12 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
     def _get_fsdp_state(self):
-        """Not FSDP2's state: what torch's public ``register_fsdp_forward_method`` and
-        ``share_comm_ctx`` read of it, done for ours; any other attribute raises, naming
-        this module (see ``fsdp_compile._torch_state``)."""
-        from fsdp_compile._torch_state import torch_state_of
-
+        """Not FSDP2's state: a view of this unit with what torch's own code reads of it
+        (pipelining, ``register_fsdp_forward_method``, ``share_comm_ctx``); any other
+        attribute raises, naming this module (``fsdp_compile._fsdp2_state_view``)."""
         if not isinstance(self, FSDPModule):
             raise RuntimeError(f"{type(self).__name__} is not sharded: it has no FSDP state")
-        return torch_state_of(self, self._fsdp_unit.modules[0])
+        return fsdp2_state_view(self)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2's private switch for async all-gathers on its streams; accepted, changes nothing
@@ -538,7 +536,7 @@ def _make_unit(module: nn.Module, unit: FSDPUnit) -> None:
         module.__dict__["_fsdp_compiled_forward"] = module.__dict__.pop("forward")
     _swap_class(module, is_unit=True)
     module._fsdp_unit = unit
-    register_pipelining_view(module, unit)  # torch.distributed.pipelining's fully_shard.state(m)
+    register_fsdp2_state_view(module, unit)  # torch.distributed.pipelining's fully_shard.state(m)
     _adopt_nested_units(module, unit)
 
 
