@@ -441,6 +441,17 @@ def fully_shard(
     return _shard_as_one_unit(module, mesh, *options, shard=True, spmd=spmd)
 
 
+def _fsdp2_state(module: nn.Module):
+    """``fully_shard.state(module)``, as torch's ``fully_shard`` (a composable API) has it:
+    the unit's view of FSDP2's state (``fsdp_compile._fsdp2_state_view``), ``None`` for a
+    module ``fully_shard`` was not applied to. torch 2.13's pipelining calls it on the
+    ``fully_shard`` it imported, which is ours when a stack's switch ran first."""
+    return fsdp2_state_view(module) if isinstance(module, FSDPModule) else None
+
+
+fully_shard.state = _fsdp2_state
+
+
 def replicate(
     module: nn.Module | list[nn.Module],
     *,

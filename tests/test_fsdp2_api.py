@@ -503,14 +503,26 @@ def test_jvp_through_sharded_modules_matches_fsdp2(pool2):
             torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
 
 
-def pipelining_micro_batches(kind: str) -> dict:
+def pipelining_micro_batches(kind: str, switched_before_import: bool = False) -> dict:
     """What a ``torch.distributed.pipelining`` schedule does to its stage's sharded module:
     each micro-batch's backward with sync off (``backward_maybe_with_nosync``), then its
     ``REDUCE_GRAD`` action (``perform_reduce_grad``, torch's own code, run on a stand-in
-    stage), then an AdamW step; the parameters after 2 steps."""
+    stage), then an AdamW step; the parameters after 2 steps. ``switched_before_import``:
+    pipelining's module bound ``torch.distributed.fsdp.fully_shard`` after a stack's switch
+    to ours (torch 2.13's calls ``fully_shard.state(module)`` on the one it bound)."""
     import types
 
+    import torch.distributed.pipelining.stage as stage_module
     from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    if switched_before_import and hasattr(stage_module, "fully_shard"):
+        import fsdp_compile
+
+        torchs, stage_module.fully_shard = stage_module.fully_shard, fsdp_compile.fully_shard
+        try:
+            return pipelining_micro_batches(kind)
+        finally:
+            stage_module.fully_shard = torchs
 
     from fsdp_compile.testing import full_parameters
     from fsdp_compile.testing.models import MLPStack
@@ -543,13 +555,17 @@ def pipelining_micro_batches(kind: str) -> dict:
     return full_parameters(model)
 
 
-def test_pipelinings_gradient_reduction_step_reduces_our_accumulated_gradients(pool2):
+@pytest.mark.parametrize("switched_before_import", [False, True], ids=["torchs-fully-shard", "ours-bound"])
+def test_pipelinings_gradient_reduction_step_reduces_our_accumulated_gradients(pool2, switched_before_import):
     """torch's pipelining finishes its micro-batches' gradient accumulation by reaching into
     FSDP2's state (torch 2.13: ``fully_shard.state(stage)._state_ctx.all_states``, each
     group's ``post_backward()``) or through ``finalize_backward()`` (torch 2.15): our units
     answer both, reducing what the micro-batches accumulated, as FSDP2's (an unanswered
-    call left the gradients unreduced: silently wrong)."""
-    for got, expected in zip(pool2.run(pipelining_micro_batches, "ours"), pool2.run(pipelining_micro_batches, "fsdp2"), strict=True):
+    call left the gradients unreduced: silently wrong). Also where pipelining bound our
+    ``fully_shard`` (a stack's switch made before its import): ours has ``.state(module)``,
+    as torch's composable API has (it raised ``AttributeError``)."""
+    ours = pool2.run(pipelining_micro_batches, "ours", switched_before_import)
+    for got, expected in zip(ours, pool2.run(pipelining_micro_batches, "fsdp2"), strict=True):
         _close(got, expected, rtol=1e-6, atol=1e-7)
 
 
