@@ -152,8 +152,11 @@ class _UnitStateView:
         return output
 
     def __getattr__(self, name: str):
+        module = self.__dict__.get("_module")  # (absent while unpickling)
+        if module is None or name.startswith("__"):
+            raise AttributeError(name)
         raise AttributeError(
-            f"{type(self._module).__name__} is sharded by fsdp_compile.fully_shard, which has no FSDP2 internal "
+            f"{type(module).__name__} is sharded by fsdp_compile.fully_shard, which has no FSDP2 internal "
             f"state attribute {name!r} (torch.distributed.fsdp._fully_shard's FSDPState): torch's pipelining, "
             "register_fsdp_forward_method and share_comm_ctx find what they read of it; use the public "
             "FSDPModule methods for the rest."
