@@ -27,6 +27,7 @@ from fsdp_compile._local_shard_optimizer import SHARDED_PARAM_ATTRIBUTE, FSDPPar
 from fsdp_compile._low_precision import (
     gather_extension_with_grad,
     has_all_gather_extension,
+    is_other_subclass,
     pre_all_gather_arity,
     shard_extension_param,
     side_tensors,
@@ -141,6 +142,9 @@ class FSDPParam:
         # FSDP2's all-gather extension (a tensor subclass that gathers itself: see ``_low_precision``);
         # its hooks' arity, traced gather and the local tensor that gather reads.
         self.extension: bool = has_all_gather_extension(data)
+        # A subclass without the extension yet (its class name): sharded as one with it; its
+        # hooks must come before its first gather (:meth:`notice_late_extension`).
+        self.awaits_extension: str | None = type(data).__name__ if is_other_subclass(data) else None
         self.pre_all_gather_arity: int | None = None
         self.traced_extension_gather = None
         self.extension_source: torch.Tensor | None = None
@@ -178,7 +182,9 @@ class FSDPParam:
         )
         # Whether a traced read of this trainable parameter needs nothing but
         # :attr:`local_view` (see [Note: traced reads without the DTensor]).
-        self.traced_read_needs_local_view_only = self._reads_local_view_as_is and tp is None and not self.extension
+        self.traced_read_needs_local_view_only = (
+            self._reads_local_view_as_is and tp is None and not self.extension and not self.awaits_extension
+        )
 
     def _first_sharded_param(self, param: nn.Parameter, local: torch.Tensor, ndim: int) -> nn.Parameter:
         """The ``nn.Parameter(DTensor)`` over ``local`` that stands for ``param`` from now on,
@@ -271,7 +277,7 @@ class FSDPParam:
         """This rank's shard of ``data`` and its layout. A tensor subclass with FSDP2's
         all-gather extension keeps its subclass (see ``_low_precision``)."""
         dp = self.unit.dp_mesh
-        if not self.extension:
+        if not self.extension and not self.awaits_extension:
             if self.is_complex:
                 layout, local = _split(torch.view_as_real(data), shard_dim, dp)
                 return layout, torch.view_as_complex(local)
@@ -281,8 +287,9 @@ class FSDPParam:
                 f"fully_shard: parameter {self.local_fqn!r} is a {type(data).__name__} inside a tensor-parallel DTensor"
             )
         local = shard_extension_param(data, dp.shard_world_size, dp.shard_rank)
-        self.pre_all_gather_arity = pre_all_gather_arity(self.local_fqn, local)
-        self.traced_extension_gather = traced_gather(self)
+        if self.extension:
+            self.pre_all_gather_arity = pre_all_gather_arity(self.local_fqn, local)
+            self.traced_extension_gather = traced_gather(self)
         return ShardLayout(tuple(data.shape), dp.shard_world_size, dp.shard_rank, dp.shard_group_name), local
 
     @property
@@ -364,6 +371,8 @@ class FSDPParam:
         traced = (mode or execution_mode()) is ExecutionMode.TRACED
         if not traced and forward_context.in_broken_graph():
             warn_gathered_in_broken_graph(self)
+        if self.awaits_extension and not self.extension:
+            self.notice_late_extension()  # raises unless its hooks came
         if self.extension:
             return self._note_gathered(self._gather_with_extension(sharded_param, traced))
         if (
@@ -441,7 +450,17 @@ class FSDPParam:
         the tensor's class) got FSDP2's hooks after ``fully_shard`` (FSDP2 reads them off
         the local tensor at each gather); eager code calls this before each unit's gather."""
         local = local_tensor_of(self.sharded_param)
-        if self.extension or not has_all_gather_extension(local):
+        if self.extension:
+            return
+        if not has_all_gather_extension(local):
+            if self.awaits_extension:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {self.fqn!r} is a {self.awaits_extension}, a tensor subclass without FSDP2's "
+                    "all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather) at its first gather; gathering "
+                    "it would silently treat it as a plain tensor. Define the extension on the subclass, set it on each "
+                    "shard's local tensor before the first forward, convert the parameter to a plain tensor, or pass it "
+                    "in ignored_params"
+                )
             return
         if self.tensor_parallel is not None or self.layout is None or self.shard_dim or self.unit.reshard_to is not None:
             raise NotImplementedError(

@@ -60,8 +60,10 @@ def has_all_gather_extension(data: torch.Tensor) -> bool:
 
 
 def is_other_subclass(data: torch.Tensor) -> bool:
-    """A tensor subclass without the extension (what ``fully_shard`` refuses by name
-    rather than silently turn into a plain tensor)."""
+    """A tensor subclass without the extension: sharded keeping its subclass, as one with it,
+    and it must get the extension's hooks (on its local tensor, as FSDP2 reads them) before
+    its first gather, which otherwise raises (rather than silently gather it as a plain
+    tensor, or turn it into one)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 
@@ -78,16 +80,15 @@ def check_param_type(
     ``None`` where the mesh replicates). Runs before any collective."""
     if isinstance(data, nn.Parameter) and type(data) is not nn.Parameter and not has_all_gather_extension(data):
         data = data.detach()  # an nn.Parameter subclass of a plain tensor
-    if is_other_subclass(data):
-        raise NotImplementedError(
-            f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, a tensor subclass without FSDP2's all-gather "
-            "extension (fsdp_pre_all_gather / fsdp_post_all_gather); sharding it would silently turn it into a plain "
-            "tensor. Define the extension on the subclass, convert the parameter to a plain tensor, or pass it in "
-            "ignored_params"
-        )
-    if not has_all_gather_extension(data):
+    awaits_extension = is_other_subclass(data)
+    if not awaits_extension and not has_all_gather_extension(data):
         return
     what = f"fully_shard: parameter {fqn!r} is a {type(data).__name__} (FSDP2's all-gather extension)"
+    if awaits_extension:  # its shards must get the hooks before the first gather (as FSDP2's must)
+        what = (
+            f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, a tensor subclass without FSDP2's all-gather "
+            "extension yet (its shards must get fsdp_pre_all_gather / fsdp_post_all_gather before the first gather)"
+        )
     if shard_world_size is None:
         raise NotImplementedError(f"{what}: replicate() does not support it; shard it with fully_shard")
     if shard_dim != 0:

@@ -25,6 +25,7 @@ from fsdp_compile.base.compat import (
     collectives_observed,
     fx_annotate,
     group_backend,
+    is_user_tensor_subclass,
     issue_c10d_collective,
 )
 from fsdp_compile.base.execution_mode import ExecutionMode, execution_mode
@@ -281,8 +282,10 @@ def all_gather_as_bytes(inputs: list[torch.Tensor], world_size: int, group_name:
     """All-gather ``inputs`` (any dtypes) in one collective of ``uint8``: each output is
     every rank's input concatenated on dim 0, in rank order, in the input's dtype (a
     low-precision parameter's pre-hook tensors: gloo has no float8 all-gather, and one
-    buffer carries several dtypes)."""
-    flat = [t.contiguous().view(-1).view(torch.uint8) for t in inputs]
+    buffer carries several dtypes). A tensor subclass among them is first copied into a
+    plain tensor, by its own ``copy_`` (FSDP2 copies the pre hook's tensors into its plain
+    all-gather buffer the same way: a ``TwoTensor`` gives the values of its last half)."""
+    flat = [_plain(t).contiguous().view(-1).view(torch.uint8) for t in inputs]
     sizes = [f.numel() for f in flat]
     send = flat[0] if len(flat) == 1 else torch.cat(flat)
     gathered = c10d_functional.wait_tensor(issue_all_gather(send, world_size, group_name))
@@ -291,6 +294,15 @@ def all_gather_as_bytes(inputs: list[torch.Tensor], world_size: int, group_name:
     for t, part in zip(inputs, per_rank.split(sizes, dim=1), strict=True):
         outputs.append(part.contiguous().view(t.dtype).view(-1, *t.shape[1:]))
     return outputs
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: itself, or a copy made by its subclass's ``copy_``."""
+    if not is_user_tensor_subclass(t):
+        return t
+    plain = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    plain.copy_(t)
+    return plain
 
 
 #: 1-byte dtypes collectives move as they are; others of 1 byte (float8) go as ``uint8``

@@ -190,10 +190,14 @@ def test_all_gather_extensions_train_parity(pool2):
 # ---------------------------------------------------------------- hooks set after fully_shard
 
 
-def train_monkey_patched(kind: str) -> dict:
+def train_monkey_patched(kind: str, two_tensor: bool = False) -> dict:
     """Upstream's monkey patch: meta init, ``fully_shard``, ``to_empty``, init, then bf16
     hooks set on each weight's local tensor; 3 Adam steps. Whether the pre hook ran, the
-    losses and this rank's local parameters."""
+    losses and this rank's local parameters. ``two_tensor``: upstream's model, bias-free
+    MLPs whose weights are ``TwoTensor``s, a subclass without the extension until its
+    shards get the hooks."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
     fully_shard = fully_shard_of(kind)
     ran = []
 
@@ -206,7 +210,11 @@ def train_monkey_patched(kind: str) -> dict:
         return _upcast_post_all_gather(outputs, metadata, param_dtype, out)
 
     with torch.device("meta"):
-        model = nn.Sequential(*(MLP(8) for _ in range(3)))
+        model = nn.Sequential(*(MLP(8, bias=not two_tensor) for _ in range(3)))
+        if two_tensor:
+            for mlp in model:
+                for lin in (mlp.in_proj, mlp.out_proj):
+                    lin.weight = nn.Parameter(TwoTensor(lin.weight, lin.weight.clone()))
     for mlp in model:
         fully_shard(mlp)
     fully_shard(model)
@@ -226,10 +234,14 @@ def train_monkey_patched(kind: str) -> dict:
     return {"ran": bool(ran), "patched": patched, "losses": losses, "local": local}
 
 
-def test_all_gather_extensions_monkey_patch(pool2):
+@pytest.mark.parametrize("two_tensor", [False, True], ids=["plain", "TwoTensor"])
+def test_all_gather_extensions_monkey_patch(pool2, two_tensor):
     """Hooks set on the local tensors after ``fully_shard`` run (upstream's assertion), and
-    gather in bf16 as FSDP2's: losses and every local parameter bitwise FSDP2's."""
-    for ours, fsdp2 in zip(pool2.run(train_monkey_patched, "ours"), pool2.run(train_monkey_patched, "fsdp2"), strict=True):
+    gather in bf16 as FSDP2's: losses and every local parameter bitwise FSDP2's. With
+    upstream's ``TwoTensor`` weights (``fully_shard`` refused them: a subclass without the
+    extension when it was called) and with plain ones."""
+    ours_runs = pool2.run(train_monkey_patched, "ours", two_tensor)
+    for ours, fsdp2 in zip(ours_runs, pool2.run(train_monkey_patched, "fsdp2", two_tensor), strict=True):
         assert ours["patched"] > 0 and ours["ran"] and fsdp2["ran"]
         assert ours["losses"] == fsdp2["losses"]
         for name, tensor in ours["local"].items():

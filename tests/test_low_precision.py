@@ -93,13 +93,26 @@ def _module_with(param: torch.Tensor) -> nn.Module:
 
 def test_parameter_subclasses_fully_shard_cannot_honour_are_refused_by_name(fake_pg):
     from torch.distributed.tensor import Shard
+    from torch.testing._internal.two_tensor import TwoTensor
 
     from fsdp_compile import fully_shard, replicate
 
+    # A subclass without the extension is sharded keeping its subclass, as FSDP2 shards it
+    # (its shards may get the hooks after fully_shard: test_fsdp2_extensions.py); gathered
+    # without them, it is refused by name, before any collective.
+    two = fully_shard(_module_with(TwoTensor(torch.randn(16, 4), torch.randn(16, 4))))
+    assert type(two.weight._local_tensor) is TwoTensor
+    tagged = fully_shard(_module_with(torch.randn(16, 4).as_subclass(_Tagged)))
     with pytest.raises(
-        NotImplementedError, match=r"'weight' is a _Tagged, a tensor subclass without FSDP2's all-gather extension"
+        NotImplementedError,
+        match=r"'weight' is a _Tagged, a tensor subclass without FSDP2's all-gather extension .* at its first gather",
     ):
-        fully_shard(_module_with(torch.randn(16, 4).as_subclass(_Tagged)))
+        tagged(torch.randn(2, 4))
+    with pytest.raises(NotImplementedError, match=r"'weight' is a _Tagged, a tensor subclass .* only be sharded on dim 0"):
+        fully_shard(
+            _module_with(torch.randn(16, 8).as_subclass(_Tagged)),
+            shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None,
+        )
     # (Rows that do not divide evenly are split as FSDP2 splits them, torch.chunk's 2 rows a
     # rank here, not refused: the pre hook pads; see test_fsdp2_extensions.py.)
     uneven = fully_shard(_module_with(torch.randn(12, 4).as_subclass(_WithHooks)))

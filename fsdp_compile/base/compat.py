@@ -242,6 +242,16 @@ def is_functorch_wrapper(t: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+def is_user_tensor_subclass(t: torch.Tensor) -> bool:
+    """torch/_subclasses: whether ``t`` is of a tensor subclass of its own (``TwoTensor``,
+    NF4, ...), not a plain tensor nor one of the tensors torch's tracing stands in for
+    plain ones (fake, functional)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, (FakeTensor, FunctionalTensor))
+
+
 def mark_as_parameter_input(t: torch.Tensor) -> None:
     """torch/_dynamo/decorators.py: have Dynamo treat ``t``, a graph input that stands for a
     parameter, as it treats parameters: static shapes under ``dynamic=True`` and a static
