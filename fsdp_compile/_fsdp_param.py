@@ -125,11 +125,8 @@ class FSDPParam:
         self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
         dp = unit.dp_mesh
-        tp = self.tensor_parallel = (
-            TensorParallelSpec.of(param, () if dp.spmd is None else dp.spmd.data_parallel_dims)
-            if isinstance(param, DTensor)
-            else None
-        )
+        data_parallel_dims = () if dp.spmd is None else dp.spmd.data_parallel_dims
+        tp = self.tensor_parallel = TensorParallelSpec.of(param, data_parallel_dims) if isinstance(param, DTensor) else None
         data = (param if tp is None else param.to_local()).detach()
         self.shard_dim = shard_dim
         # [Note: complex parameters] Collectives move a complex parameter as its real view
@@ -139,15 +136,14 @@ class FSDPParam:
         self.is_complex = data.is_complex()
         # The dtype it is gathered and computed in (per parameter: param_dtype_override_fn).
         self.param_dtype = param_dtype_for(unit.mp_policy, param)
-        # FSDP2's all-gather extension (a tensor subclass that gathers itself: see ``_low_precision``);
-        # its hooks' arity, traced gather and the local tensor that gather reads.
+        # FSDP2's all-gather extension (a tensor subclass that gathers itself: see ``_low_precision``),
+        # or a subclass awaiting it (its class name; sharded as one with it, its hooks must come
+        # before its first gather: :meth:`notice_late_extension`); the hooks' arity, traced
+        # gather and the local tensor that gather reads.
         self.extension: bool = has_all_gather_extension(data)
-        # A subclass without the extension yet (its class name): sharded as one with it; its
-        # hooks must come before its first gather (:meth:`notice_late_extension`).
         self.awaits_extension: str | None = type(data).__name__ if is_other_subclass(data) else None
         self.pre_all_gather_arity: int | None = None
-        self.traced_extension_gather = None
-        self.extension_source: torch.Tensor | None = None
+        self.traced_extension_gather = self.extension_source = None
         self.layout, local = self._shard(data, shard_dim)
         self.reduce_group_names = dp.reduce_group_names(sharded=self.layout is not None)
         self.sharded_param = self._first_sharded_param(param, local, data.ndim)
@@ -182,9 +178,8 @@ class FSDPParam:
         )
         # Whether a traced read of this trainable parameter needs nothing but
         # :attr:`local_view` (see [Note: traced reads without the DTensor]).
-        self.traced_read_needs_local_view_only = (
-            self._reads_local_view_as_is and tp is None and not self.extension and not self.awaits_extension
-        )
+        plain = not self.extension and not self.awaits_extension
+        self.traced_read_needs_local_view_only = self._reads_local_view_as_is and tp is None and plain
 
     def _first_sharded_param(self, param: nn.Parameter, local: torch.Tensor, ndim: int) -> nn.Parameter:
         """The ``nn.Parameter(DTensor)`` over ``local`` that stands for ``param`` from now on,
