@@ -270,7 +270,7 @@ class FSDPParam:
 
     def _shard(self, data: torch.Tensor, shard_dim: int) -> tuple[ShardLayout | None, torch.Tensor]:
         """This rank's shard of ``data`` and its layout. A tensor subclass with FSDP2's
-        all-gather extension keeps its subclass (see ``_low_precision``)."""
+        all-gather extension, or awaiting it, keeps its subclass (see ``_low_precision``)."""
         dp = self.unit.dp_mesh
         if not self.extension and not self.awaits_extension:
             if self.is_complex:

@@ -81,8 +81,8 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
     torch's ``torch.distributed.fsdp.FSDPModule``, so the checks other stacks make
     (torchtitan, accelerate, ``transformers.Trainer``, pipelining) see our units too and
     call our methods: every public method of torch's class is overridden here (a test
-    holds that), and FSDP2's internal state (``_get_fsdp_state``) is a stand-in that gives torch's
-    public functions what they read of it and refuses the rest by name.
+    holds that), and FSDP2's internal state (``_get_fsdp_state``) is a view of the unit that
+    gives torch's own code what it reads of it and refuses the rest by name.
     As FSDP2's, constructing the class again (``Sequential[0:2]``) builds the original
     class (torch's ``__new__``, with this class's ``_orig_cls_mro_index``).
     """
@@ -547,7 +547,7 @@ def _make_unit(module: nn.Module, unit: FSDPUnit) -> None:
         module.__dict__["_fsdp_compiled_forward"] = module.__dict__.pop("forward")
     _swap_class(module, is_unit=True)
     module._fsdp_unit = unit
-    register_fsdp2_state_view(module, unit)  # torch.distributed.pipelining's fully_shard.state(m)
+    register_fsdp2_state_view(module, unit)  # fully_shard.state(m) and m._get_fsdp_state(), for torch's code
     _adopt_nested_units(module, unit)
 
 

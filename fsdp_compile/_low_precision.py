@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from fsdp_compile.base.compat import NO_ANNOTATION, annotating, fx_annotate
+from fsdp_compile.base.compat import NO_ANNOTATION, annotating, fx_annotate, is_user_tensor_subclass
 from fsdp_compile.runtime.collectives import NO_ACCUMULATION, GradAccumulation, all_gather_as_bytes, gather_with_grad_sync
 
 if TYPE_CHECKING:
@@ -64,12 +64,9 @@ def is_other_subclass(data: torch.Tensor) -> bool:
     and it must get the extension's hooks (on its local tensor, as FSDP2 reads them) before
     its first gather, which otherwise raises (rather than silently gather it as a plain
     tensor, or turn it into one)."""
-    from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 
-    if type(data) in (torch.Tensor, nn.Parameter) or isinstance(data, (DTensor, FakeTensor)):
-        return False
-    return not has_all_gather_extension(data)
+    return is_user_tensor_subclass(data) and not isinstance(data, DTensor) and not has_all_gather_extension(data)
 
 
 def check_param_type(
