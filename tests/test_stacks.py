@@ -140,13 +140,16 @@ def _batch(step: int, rank: int) -> torch.Tensor:
 # ---------------------------------------------------------------- on every rank
 
 
-def train_accelerate(kind: str, compiled: str | None = None) -> dict:
+def train_accelerate(kind: str, compiled: str | None = None, plugin_options: dict | None = None) -> dict:
     """Three AdamW steps of the tiny Llama prepared by accelerate's FSDP2 plugin, with
     torch's ``fully_shard`` (``kind == "fsdp2"``) or ours (``"ours"``); with ``compiled``,
     accelerate's dynamo plugin compiles it (``aot_eager``) before sharding: ``"model"``,
     its default (the whole model), or ``"regional"`` (``use_regional_compilation``: each
-    decoder layer, in place). Also returns our warnings."""
+    decoder layer, in place). ``plugin_options`` go to the FSDP plugin. Also returns our
+    warnings, and what shows the options took effect (:func:`_options_seen`)."""
     import warnings
+
+    import accelerate.utils.fsdp_utils as fsdp_utils
 
     import torch._dynamo.config as dynamo_config
     import torch.distributed as dist
@@ -161,9 +164,10 @@ def train_accelerate(kind: str, compiled: str | None = None) -> dict:
         _fsdp_on_cpu(),
         dynamo_config.patch(),  # restores what accelerate's regional path sets
         warnings.catch_warnings(record=True) as caught,
+        _counting_calls(fsdp_utils, "fsdp2_load_full_state_dict") as full_state_dict_loads,
     ):
         warnings.simplefilter("always")
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap", **(plugin_options or {}))
         dynamo = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=compiled == "regional") if compiled else None
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, dynamo_plugin=dynamo)
         assert accelerator.is_fsdp2, accelerator.distributed_type
@@ -172,6 +176,7 @@ def train_accelerate(kind: str, compiled: str | None = None) -> dict:
         model, opt = accelerator.prepare(model, opt)
         rank = dist.get_rank()
         losses = []
+        seen = _options_seen(model, full_state_dict_loads)
         for step in range(STEPS):
             tokens = _batch(step, rank)
             loss = model(input_ids=tokens, labels=tokens).loss
@@ -180,7 +185,45 @@ def train_accelerate(kind: str, compiled: str | None = None) -> dict:
             opt.zero_grad()
             losses.append(loss.item())
         ours_warnings = [str(w.message) for w in caught if "fsdp_compile" in str(w.message)]
-        return {"losses": losses, "params": full_parameters(model), **_sharding(model), "warnings": ours_warnings}
+        params = full_parameters(model)
+        return {"losses": losses, "params": params, **_sharding(model), "warnings": ours_warnings, "seen": dict(seen)}
+
+
+@contextlib.contextmanager
+def _counting_calls(module, name: str):
+    """``module.name`` wrapped to count its calls (a list, appended to per call)."""
+    original = getattr(module, name)
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
+
+
+def _options_seen(model, full_state_dict_loads: list) -> dict:
+    """Evidence that accelerate applied its options, filled in as the model runs: the
+    full-state-dict loads done while preparing, the dtype the first decoder layer's
+    ``q_proj`` computes in, whether the layers are ``checkpoint_wrapper``'d, and the
+    layers' ``reshard_after_forward`` (recorded by a forward hook)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    seen = {
+        "full_state_dict_loads": len(full_state_dict_loads),
+        "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+    }
+    q_proj = next(m for n, m in model.named_modules() if "layers.0." in n and n.endswith("self_attn.q_proj"))
+
+    def record(module, args, out) -> None:
+        seen.setdefault("compute_dtype", str(out.dtype))
+
+    q_proj.register_forward_hook(record)
+    return seen
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -267,6 +310,33 @@ def test_accelerate_dynamo_plugin_compiles_as_with_fsdp2(pool2, compiled):
     got = pool2.run(train_accelerate, "ours", compiled)
     _assert_same_training(expected, got)
     assert [r["warnings"] for r in got] == [[], []], got[0]["warnings"]
+
+
+@pytest.mark.parametrize(
+    "plugin_options",
+    [
+        {"cpu_ram_efficient_loading": True},
+        {"mixed_precision_policy": "bf16"},
+        {"reshard_after_forward": False},
+        {"activation_checkpointing": True},
+    ],
+    ids=["cpu-ram-efficient-loading", "bf16", "no-reshard", "activation-checkpointing"],
+)
+def test_accelerate_fsdp2_plugin_options_train_as_with_fsdp2(pool2, plugin_options):
+    """The plugin's options users set, each on its own: rank 0's weights broadcast into
+    a meta-device model (``fsdp2_load_full_state_dict``: ``distribute_tensor`` and
+    ``load_state_dict(assign=True)``), torch's ``MixedPrecisionPolicy`` built by accelerate,
+    ``reshard_after_forward=False``, and accelerate's ``checkpoint_wrapper`` around each decoder
+    layer: bitwise FSDP2's losses and parameters. (``cpu_offload`` is not compared: FSDP2 pins
+    the offloaded shards, which needs an accelerator.)"""
+    expected = pool2.run(train_accelerate, "fsdp2", None, plugin_options)
+    got = pool2.run(train_accelerate, "ours", None, plugin_options)
+    _assert_same_training(expected, got)
+    seen = [r["seen"] for r in expected + got]
+    assert all(s == seen[0] for s in seen), seen
+    assert seen[0]["full_state_dict_loads"] == int("cpu_ram_efficient_loading" in plugin_options), seen[0]
+    assert seen[0]["compute_dtype"] == ("torch.bfloat16" if "mixed_precision_policy" in plugin_options else "torch.float32")
+    assert seen[0]["checkpoint_wrappers"] == (2 if "activation_checkpointing" in plugin_options else 0), seen[0]
 
 
 def test_transformers_trainer_fsdp2_trains_as_with_fsdp2(pool2, tmp_path):
