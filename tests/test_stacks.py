@@ -150,7 +150,6 @@ def train_accelerate(kind: str, compiled: str | None = None, plugin_options: dic
     import warnings
 
     import accelerate.utils.fsdp_utils as fsdp_utils
-
     import torch._dynamo.config as dynamo_config
     import torch.distributed as dist
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
@@ -167,7 +166,9 @@ def train_accelerate(kind: str, compiled: str | None = None, plugin_options: dic
         _counting_calls(fsdp_utils, "fsdp2_load_full_state_dict") as full_state_dict_loads,
     ):
         warnings.simplefilter("always")
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap", **(plugin_options or {}))
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", **(plugin_options or {})
+        )
         dynamo = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=compiled == "regional") if compiled else None
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, dynamo_plugin=dynamo)
         assert accelerator.is_fsdp2, accelerator.distributed_type
