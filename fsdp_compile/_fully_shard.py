@@ -29,6 +29,7 @@ from fsdp_compile._fsdp2_state_view import fsdp2_state_view, register_fsdp2_stat
 from fsdp_compile._fsdp2_tuning import FSDP2TuningMethods
 from fsdp_compile._fsdp_init import (
     _SHARDED_AS,
+    FSDP2AssertionError,
     _as_module_list,
     _check_param_types,
     _check_same_params_on_all_ranks,
@@ -482,9 +483,9 @@ def _shard_as_one_unit(
     _reject_unsupported_options(mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy)
     for m in modules:
         if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module (each distinct "
-                "composable distributed API can only be applied to a module once)"
+            raise FSDP2AssertionError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module. (FSDP2: Each "
+                "distinct composable distributed API can only be applied to a module once.)"
             )
     if not dist.is_initialized() and mesh is None:
         raise RuntimeError(

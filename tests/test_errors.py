@@ -54,9 +54,13 @@ def test_not_a_module(fake_pg):
 
 
 def test_twice_on_the_same_module(fake_pg):
+    """A ``ValueError`` naming the module, that is also FSDP2's ``AssertionError`` with its words
+    (upstream's ``test_fully_shard_reapply`` matches them)."""
     lin = nn.Linear(4, 4)
     fully_shard(lin)
-    with pytest.raises(ValueError, match="already applied"):
+    with pytest.raises(ValueError, match="already applied to this FSDPLinear"):
+        fully_shard(lin)
+    with pytest.raises(AssertionError, match="Each distinct composable distributed API can only be applied to a module once."):
         fully_shard(lin)
 
 

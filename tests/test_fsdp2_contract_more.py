@@ -1708,7 +1708,7 @@ def test_fully_shard_state_cls_containers_and_deepcopy(fake_pg):
     # test_fully_shard_reapply
     mlp = MLP(8)
     fully_shard(mlp)
-    with pytest.raises(ValueError, match="can only be applied to a module once"):
+    with pytest.raises(AssertionError, match="Each distinct composable distributed API can only be applied to a module once."):
         fully_shard(mlp)
     # test_fully_shard_cls: only the module passed is swapped; a slice of a Sequential is not a unit
     assert isinstance(mlp, MLP) and isinstance(mlp, TorchFSDPModule) and type(mlp).__name__ == "FSDPMLP"
