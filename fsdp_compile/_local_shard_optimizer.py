@@ -15,9 +15,11 @@ tens of microseconds an op. An elementwise update (Adam, SGD, ...) of a ``Shard`
   entry the step created (the first step's ``exp_avg``, ...) is wrapped as a ``DTensor``
   with its parameter's mesh and placements, as ``zeros_like(param)`` would have made it.
 
-Outside ``step()`` nothing changes: ``optimizer.state`` holds ``DTensor``s keyed by the
+Outside the update nothing changes: ``optimizer.state`` holds ``DTensor``s keyed by the
 ``DTensor`` parameters, so ``state_dict()``, ``load_state_dict()`` and DCP's
-``get_optimizer_state_dict`` see what they would without it. The numbers are bitwise
+``get_optimizer_state_dict`` see what they would without it, and so do the step's pre and
+post hooks (an optimizer with hooks swaps after its last pre hook and back before its
+first post hook). The numbers are bitwise
 those of the ``DTensor`` step: the same ops on the same local tensors.
 
 Only optimizers whose update is elementwise per parameter are accepted (a norm, a
@@ -42,6 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from fsdp_compile.base import compat
 from fsdp_compile.base.compat import local_tensor_of
 
 __all__ = ["step_on_local_shards", "ELEMENTWISE_OPTIMIZERS"]
@@ -171,11 +174,37 @@ class _StepOnLocalShards:
             self._wrapped_by_lr_sched = True
 
     def __call__(self, *args, **kwargs):
+        if any(hook is not _before_optimizer_step for hook in compat.optimizer_step_hooks(self.optimizer)):
+            return self._step_between_hooks(*args, **kwargs)
         swapped = _swap_to_local(self.optimizer)
         try:
             return self.step_on_dtensors(*args, **kwargs)
         finally:
             _swap_back(self.optimizer, swapped)
+
+    def _step_between_hooks(self, *args, **kwargs):
+        """The step of an optimizer with step hooks: the swap to local tensors after its last
+        pre hook, the swap back before its first post hook, so that every hook sees the
+        parameters, gradients and state it would see without the local step (a hook that
+        clips ``optimizer.param_groups``' gradients to their norm gets the whole norm, not
+        each shard's)."""
+        swapped: list = []
+
+        def to_local(optimizer, args, kwargs) -> None:
+            swapped.append(_swap_to_local(optimizer))
+
+        def back(optimizer, args, kwargs) -> None:
+            _swap_back(optimizer, swapped.pop())
+
+        last_pre_hook = self.optimizer.register_step_pre_hook(to_local)
+        first_post_hook = compat.register_first_step_post_hook(self.optimizer, back)
+        try:
+            return self.step_on_dtensors(*args, **kwargs)
+        finally:
+            last_pre_hook.remove()
+            first_post_hook.remove()
+            while swapped:  # the step raised
+                _swap_back(self.optimizer, swapped.pop())
 
     @property
     def __func__(self):

@@ -214,10 +214,13 @@ def test_groups_that_cannot_step_locally_step_on_the_dtensors(fake_pg):
     ref_opt = torch.optim.Adam(reference, lr=0.1)
     opt = step_on_local_shards(torch.optim.Adam(local, lr=0.1))
     seen = []
-    opt.register_step_pre_hook(lambda o, *_: seen.append([type(p) for g in o.param_groups for p in g["params"]]))
+
+    def closure():  # called inside the step, where the update sees the parameters
+        seen.append([type(p) for g in opt.param_groups for p in g["params"]])
+
     for _ in range(2):
         ref_opt.step()
-        opt.step()
+        opt.step(closure)
     assert seen[0] == [DTensor, DTensor, torch.nn.Parameter, torch.Tensor, torch.Tensor]
     for ref_group, group in zip(reference, local, strict=True):
         for ref_p, p in zip(ref_group["params"], group["params"], strict=True):
@@ -270,11 +273,12 @@ def test_a_plain_optimizer_of_our_parameters_steps_on_local_shards_by_default(po
             assert torch.equal(result[True]["params"][name], value), name
 
 
-def compiled_optimizer_steps(steps: int = 4) -> dict:
+def compiled_optimizer_steps(steps: int = 4, clip_in_pre_hook: bool = False) -> dict:
     """An MLP sharded per block and the same MLP unsharded, each trained ``steps`` steps
     with ``torch.compile(opt.step)`` of a plain AdamW, on the same batch on every rank
     (so the averaged gradient is the unsharded one, exactly): the full parameters after
-    each step, and how many frames Dynamo compiled for each step function."""
+    each step, and how many frames Dynamo compiled for each step function. With
+    ``clip_in_pre_hook``, a step pre-hook clips ``optimizer.param_groups``' gradients."""
     from fsdp_compile import fully_shard
     from fsdp_compile.testing import full_tensor
     from fsdp_compile.testing._torch_internals import compile_counter
@@ -288,6 +292,12 @@ def compiled_optimizer_steps(steps: int = 4) -> dict:
     out = {}
     for label, model in (("reference", reference), ("sharded", sharded)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if clip_in_pre_hook:
+
+            def clip(optimizer, args, kwargs) -> None:
+                torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 0.05)
+
+            opt.register_step_pre_hook(clip)
         counter = compile_counter("inductor")
         step = torch.compile(opt.step, backend=counter)
         params = []
@@ -307,13 +317,93 @@ def compiled_optimizer_steps(steps: int = 4) -> dict:
     return out
 
 
-def test_a_compiled_optimizer_step_trains_like_the_unsharded_models(pool2):
+@pytest.mark.parametrize("clip_in_pre_hook", [False, True], ids=["plain", "clipping-pre-hook"])
+def test_a_compiled_optimizer_step_trains_like_the_unsharded_models(pool2, clip_in_pre_hook):
     """``torch.compile(opt.step)`` over our parameters (``DTensor``s, stepping on local shards
-    by default) gives bitwise the unsharded model's compiled step, step after step."""
-    for result in pool2.run(compiled_optimizer_steps):
+    by default) gives bitwise the unsharded model's compiled step, step after step; also
+    with a step pre-hook clipping the optimizer's gradients to their (whole) norm."""
+    for result in pool2.run(compiled_optimizer_steps, 4, clip_in_pre_hook):
         ref, ours = result["reference"], result["sharded"]
         for step, (expected, got) in enumerate(zip(ref["params"], ours["params"], strict=True)):
             assert expected.keys() == got.keys()
             for name in expected:
                 assert torch.equal(got[name], expected[name]), (step, name)
         assert ours["frames"] >= 1 and ref["frames"] >= 1
+
+
+def test_the_optimizers_step_hooks_see_the_dtensors(fake_pg):
+    """Step pre and post hooks (the optimizer's own and global ones) run where they would
+    without the local step: on the ``DTensor`` parameters and gradients, before the swap to
+    local tensors and after the swap back; the update between them is still local."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    mesh = init_device_mesh("cpu", (8,))
+    params = _dtensor_params(mesh)
+    opt = step_on_local_shards(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    seen = []
+
+    def record(where):
+        def hook(optimizer, args, kwargs):
+            seen.append((where, all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in optimizer.param_groups[0]["params"])))
+
+        return hook
+
+    def step_body_is_local(closure_seen=[]):  # noqa: B006
+        seen.append(("step", any(isinstance(p, DTensor) for p in opt.param_groups[0]["params"])))
+
+    handles = [
+        register_optimizer_step_pre_hook(record("global pre")),
+        opt.register_step_pre_hook(record("pre")),
+        opt.register_step_post_hook(record("post")),
+        register_optimizer_step_post_hook(record("global post")),
+    ]
+    try:
+        opt.step(step_body_is_local)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [("global pre", True), ("pre", True), ("step", False), ("post", True), ("global post", True)]
+    assert opt.param_groups[0]["params"] == params and all(isinstance(opt.state[p]["momentum_buffer"], DTensor) for p in params)
+
+
+def clipping_in_a_pre_hook(kind: str, local_step: bool) -> dict:
+    """An AdamW over the Llama sharded by ``kind``, whose step pre-hook clips the gradients
+    of the optimizer's parameters to a global norm (``clip_grad_norm_`` over
+    ``optimizer.param_groups``: the whole gradient's norm on ``DTensor``s), 3 steps: the
+    norms the hook saw and the parameter shards."""
+    from fsdp_compile.base import config
+
+    model, units = build("llama")
+    shard_blocks(model, fully_shard_of(kind), blocks=units[:-1])
+    norms = []
+
+    def clip(optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=0.05)
+        norms.append(norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item())
+
+    with config.patch(local_shard_optimizer_step=local_step):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt.register_step_pre_hook(clip)
+        for step in range(3):
+            x, y = batch("llama", step)
+            loss_fn("llama", model(_local(x)), _local(y)).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"norms": norms, "params": {n: p._local_tensor.clone() for n, p in model.named_parameters()}}
+
+
+def test_a_step_hook_clipping_the_optimizers_gradients_clips_to_the_global_norm(pool2):
+    """The silent difference this guards against: a hook over ``optimizer.param_groups``
+    that saw local shards would clip each rank's shard by that shard's own norm. With the
+    local step (ours' default) the norms and parameters are bitwise those without it, and
+    FSDP2's."""
+    ours = pool2.run(clipping_in_a_pre_hook, "ours", True)
+    dtensor_step = pool2.run(clipping_in_a_pre_hook, "ours", False)
+    fsdp2 = pool2.run(clipping_in_a_pre_hook, "fsdp2", False)
+    for rank in range(2):
+        assert ours[rank]["norms"] == dtensor_step[rank]["norms"] == fsdp2[rank]["norms"] == ours[0]["norms"]
+        assert all(n > 0.05 for n in ours[rank]["norms"]), "the hook did not clip"
+        for name, value in dtensor_step[rank]["params"].items():
+            assert torch.equal(ours[rank]["params"][name], value), name
+            assert torch.equal(fsdp2[rank]["params"][name], value), name

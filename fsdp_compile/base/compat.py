@@ -252,6 +252,27 @@ def is_user_tensor_subclass(t: torch.Tensor) -> bool:
     return type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> list[Callable]:
+    """torch/optim/optimizer.py: every step hook ``optimizer.step()`` runs, in its order
+    (global pre hooks, the optimizer's pre hooks, its post hooks, global post hooks)."""
+    from torch.optim import optimizer as optimizer_module
+
+    return [
+        *optimizer_module._global_optimizer_pre_hooks.values(),
+        *optimizer._optimizer_step_pre_hooks.values(),
+        *optimizer._optimizer_step_post_hooks.values(),
+        *optimizer_module._global_optimizer_post_hooks.values(),
+    ]
+
+
+def register_first_step_post_hook(optimizer: torch.optim.Optimizer, hook: Callable):
+    """torch/optim/optimizer.py: ``register_step_post_hook``, the hook moved to the front of
+    the optimizer's post hooks (run before the others; global post hooks run after them)."""
+    handle = optimizer.register_step_post_hook(hook)
+    optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)
+    return handle
+
+
 def mark_as_parameter_input(t: torch.Tensor) -> None:
     """torch/_dynamo/decorators.py: have Dynamo treat ``t``, a graph input that stands for a
     parameter, as it treats parameters: static shapes under ``dynamic=True`` and a static
