@@ -19,7 +19,8 @@ Outside the update nothing changes: ``optimizer.state`` holds ``DTensor``s keyed
 ``DTensor`` parameters, so ``state_dict()``, ``load_state_dict()`` and DCP's
 ``get_optimizer_state_dict`` see what they would without it, and so do the step's pre and
 post hooks (an optimizer with hooks swaps after its last pre hook and back before its
-first post hook). The numbers are bitwise
+first post hook) and a closure passed to ``step`` (it runs between a swap back and a swap
+again). The numbers are bitwise
 those of the ``DTensor`` step: the same ops on the same local tensors.
 
 Only optimizers whose update is elementwise per parameter are accepted (a norm, a
@@ -174,37 +175,24 @@ class _StepOnLocalShards:
             self._wrapped_by_lr_sched = True
 
     def __call__(self, *args, **kwargs):
+        swap = _Swap(self.optimizer)
+        args, kwargs = swap.closure_on_dtensors(args, kwargs)
         if any(hook is not _before_optimizer_step for hook in compat.optimizer_step_hooks(self.optimizer)):
-            return self._step_between_hooks(*args, **kwargs)
-        swapped = _swap_to_local(self.optimizer)
+            # The swap after the optimizer's last pre hook, the swap back before its first
+            # post hook: every hook sees what it would see without the local step (a hook
+            # clipping ``optimizer.param_groups``' gradients gets the whole norm).
+            last_pre_hook = self.optimizer.register_step_pre_hook(swap.to_local)
+            first_post_hook = compat.register_first_step_post_hook(self.optimizer, swap.back)
+        else:
+            last_pre_hook = first_post_hook = None
+            swap.to_local()
         try:
             return self.step_on_dtensors(*args, **kwargs)
         finally:
-            _swap_back(self.optimizer, swapped)
-
-    def _step_between_hooks(self, *args, **kwargs):
-        """The step of an optimizer with step hooks: the swap to local tensors after its last
-        pre hook, the swap back before its first post hook, so that every hook sees the
-        parameters, gradients and state it would see without the local step (a hook that
-        clips ``optimizer.param_groups``' gradients to their norm gets the whole norm, not
-        each shard's)."""
-        swapped: list = []
-
-        def to_local(optimizer, args, kwargs) -> None:
-            swapped.append(_swap_to_local(optimizer))
-
-        def back(optimizer, args, kwargs) -> None:
-            _swap_back(optimizer, swapped.pop())
-
-        last_pre_hook = self.optimizer.register_step_pre_hook(to_local)
-        first_post_hook = compat.register_first_step_post_hook(self.optimizer, back)
-        try:
-            return self.step_on_dtensors(*args, **kwargs)
-        finally:
-            last_pre_hook.remove()
-            first_post_hook.remove()
-            while swapped:  # the step raised
-                _swap_back(self.optimizer, swapped.pop())
+            if last_pre_hook is not None:
+                last_pre_hook.remove()
+                first_post_hook.remove()
+            swap.back()  # if the step raised
 
     @property
     def __func__(self):
@@ -216,6 +204,44 @@ class _StepOnLocalShards:
             return step(*args, **kwargs)
 
         return bound_step
+
+
+class _Swap:
+    """One step's swap of ``optimizer``'s parameters (and state) to local tensors and back;
+    each method also serves as a step hook (``(optimizer, args, kwargs) -> None``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.swapped = None
+
+    def to_local(self, *_hook_args) -> None:
+        self.swapped = _swap_to_local(self.optimizer)
+
+    def back(self, *_hook_args) -> None:
+        if self.swapped is not None:
+            swapped, self.swapped = self.swapped, None
+            _swap_back(self.optimizer, swapped)
+
+    def closure_on_dtensors(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``step``'s arguments, its closure (if any) made to run on the ``DTensor``s: it
+        zeroes gradients and runs the backward on the model's parameters, which the local
+        tensors stand in for only during the update."""
+        closure = args[0] if args else kwargs.get("closure")
+        if closure is None:
+            return args, kwargs
+
+        def on_dtensors():
+            was_local = self.swapped is not None
+            self.back()
+            try:
+                return closure()
+            finally:
+                if was_local:
+                    self.to_local()
+
+        if args:
+            return (on_dtensors, *args[1:]), kwargs
+        return args, {**kwargs, "closure": on_dtensors}
 
 
 def _local_placements(placements) -> bool:

@@ -149,12 +149,17 @@ def test_a_step_that_raises_leaves_the_dtensors_in_place(fake_pg):
     opt.step()
     before = {k: dict(v) for k, v in opt.state.items()}
 
-    def failing_closure():
-        assert all(not isinstance(p, DTensor) for p in opt.param_groups[0]["params"])  # stepping locally
-        raise RuntimeError("closure failed")
+    init_group = opt._init_group
 
-    with pytest.raises(RuntimeError, match="closure failed"):
-        opt.step(failing_closure)
+    def failing_update(group, *args):  # SGD's update, on the local tensors
+        assert all(not isinstance(p, DTensor) for p in group["params"])
+        init_group(group, *args)
+        raise RuntimeError("update failed")
+
+    opt._init_group = failing_update
+    with pytest.raises(RuntimeError, match="update failed"):
+        opt.step()
+    del opt._init_group
     assert opt.param_groups[0]["params"] == params and all(p.grad is not None for p in params)
     assert list(opt.state) == params
     for p in params:
@@ -214,14 +219,17 @@ def test_groups_that_cannot_step_locally_step_on_the_dtensors(fake_pg):
     ref_opt = torch.optim.Adam(reference, lr=0.1)
     opt = step_on_local_shards(torch.optim.Adam(local, lr=0.1))
     seen = []
+    init_group = opt._init_group
 
-    def closure():  # called inside the step, where the update sees the parameters
-        seen.append([type(p) for g in opt.param_groups for p in g["params"]])
+    def spy(group, *args):  # Adam's update of each group sees these parameters
+        seen.append([type(p) for p in group["params"]])
+        return init_group(group, *args)
 
+    opt._init_group = spy
     for _ in range(2):
         ref_opt.step()
-        opt.step(closure)
-    assert seen[0] == [DTensor, DTensor, torch.nn.Parameter, torch.Tensor, torch.Tensor]
+        opt.step()
+    assert seen[0] + seen[1] == [DTensor, DTensor, torch.nn.Parameter, torch.Tensor, torch.Tensor]
     for ref_group, group in zip(reference, local, strict=True):
         for ref_p, p in zip(ref_group["params"], group["params"], strict=True):
             assert type(p) is type(ref_p)
@@ -332,9 +340,9 @@ def test_a_compiled_optimizer_step_trains_like_the_unsharded_models(pool2, clip_
 
 
 def test_the_optimizers_step_hooks_see_the_dtensors(fake_pg):
-    """Step pre and post hooks (the optimizer's own and global ones) run where they would
-    without the local step: on the ``DTensor`` parameters and gradients, before the swap to
-    local tensors and after the swap back; the update between them is still local."""
+    """Step pre and post hooks (the optimizer's own and global ones) and the closure run where
+    they would without the local step: on the ``DTensor`` parameters and gradients, before the
+    swap to local tensors and after the swap back; the update between them is still local."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     mesh = init_device_mesh("cpu", (8,))
@@ -348,8 +356,16 @@ def test_the_optimizers_step_hooks_see_the_dtensors(fake_pg):
 
         return hook
 
-    def step_body_is_local(closure_seen=[]):  # noqa: B006
-        seen.append(("step", any(isinstance(p, DTensor) for p in opt.param_groups[0]["params"])))
+    def closure():
+        seen.append(("closure", all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"])))
+
+    init_group = opt._init_group
+
+    def update(group, *args):  # SGD's update of the group
+        seen.append(("update", any(isinstance(p, DTensor) for p in group["params"])))
+        return init_group(group, *args)
+
+    opt._init_group = update
 
     handles = [
         register_optimizer_step_pre_hook(record("global pre")),
@@ -358,11 +374,12 @@ def test_the_optimizers_step_hooks_see_the_dtensors(fake_pg):
         register_optimizer_step_post_hook(record("global post")),
     ]
     try:
-        opt.step(step_body_is_local)
+        opt.step(closure)
     finally:
         for handle in handles:
             handle.remove()
-    assert seen == [("global pre", True), ("pre", True), ("step", False), ("post", True), ("global post", True)]
+    expected = [("global pre", True), ("pre", True), ("closure", True), ("update", False), ("post", True), ("global post", True)]
+    assert seen == expected
     assert opt.param_groups[0]["params"] == params and all(isinstance(opt.state[p]["momentum_buffer"], DTensor) for p in params)
 
 
@@ -404,6 +421,44 @@ def test_a_step_hook_clipping_the_optimizers_gradients_clips_to_the_global_norm(
     for rank in range(2):
         assert ours[rank]["norms"] == dtensor_step[rank]["norms"] == fsdp2[rank]["norms"] == ours[0]["norms"]
         assert all(n > 0.05 for n in ours[rank]["norms"]), "the hook did not clip"
+        for name, value in dtensor_step[rank]["params"].items():
+            assert torch.equal(ours[rank]["params"][name], value), name
+            assert torch.equal(fsdp2[rank]["params"][name], value), name
+
+
+def closure_steps(kind: str, local_step: bool) -> dict:
+    """An SGD (momentum) over the Llama sharded by ``kind``, stepped 3 times with a closure
+    that zeroes the gradients, runs the forward and the backward (as ``opt.step(closure)``
+    is written for optimizers that re-evaluate the loss): the losses and parameter shards."""
+    from fsdp_compile.base import config
+
+    model, units = build("llama")
+    shard_blocks(model, fully_shard_of(kind), blocks=units[:-1])
+    losses = []
+    with config.patch(local_shard_optimizer_step=local_step):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9)
+        for step in range(3):
+            x, y = batch("llama", step)
+
+            def closure():
+                opt.zero_grad()
+                loss = loss_fn("llama", model(_local(x)), _local(y))
+                loss.backward()
+                return loss
+
+            losses.append(opt.step(closure).item())
+    return {"losses": losses, "params": {n: p._local_tensor.clone() for n, p in model.named_parameters()}}
+
+
+def test_a_closure_passed_to_the_step_sees_the_dtensors(pool2):
+    """``opt.step(closure)``: the closure runs inside the step; it zeroes the gradients and
+    runs the backward on the model's (``DTensor``) parameters, so it must see them, not the
+    local tensors the update runs on. Bitwise the ``DTensor`` step's and FSDP2's."""
+    ours = pool2.run(closure_steps, "ours", True)
+    dtensor_step = pool2.run(closure_steps, "ours", False)
+    fsdp2 = pool2.run(closure_steps, "fsdp2", False)
+    for rank in range(2):
+        assert ours[rank]["losses"] == dtensor_step[rank]["losses"] == fsdp2[rank]["losses"]
         for name, value in dtensor_step[rank]["params"].items():
             assert torch.equal(ours[rank]["params"][name], value), name
             assert torch.equal(fsdp2[rank]["params"][name], value), name
