@@ -67,11 +67,13 @@ from fsdp_compile.runtime.process_groups import DataParallelMesh
 
 @torch.compiler.disable  # raised in eager code: Dynamo does not trace it
 def _refuse_parameters_on_meta(unit: FSDPUnit) -> None:
-    names = ", ".join(repr(p.fqn) for p in unit.params_on_meta)
+    fqns = [p.fqn for p in unit.params_on_meta]
     raise RuntimeError(
-        f"fully_shard: {type(unit.modules[0]).__name__} {unit.fqn or '(the root)'!r} has parameters on the meta device: {names}. "
-        "Materialize them before the first forward, as with FSDP2: model.to_empty(device=...), then initialize "
-        "them (reset_parameters() on each module, or load a checkpoint)."
+        f"fully_shard: {type(unit.modules[0]).__name__} {unit.fqn or '(the root)'!r} has parameters on the meta device: "
+        f"{', '.join(map(repr, fqns))}. Materialize them before the first forward, as with FSDP2: "
+        "model.to_empty(device=...), then initialize them (reset_parameters() on each module, or load a checkpoint). "
+        f"(FSDP2: FSDP parameters should be materialized from meta device before training, but the following were "
+        f"still on meta device: {fqns})"
     )
 
 
