@@ -313,9 +313,11 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         ranks that disagree issue different collectives. Each rank must still use some
         parameter of the unit's bucket (the router, another expert): a bucket no
         parameter of which got a gradient on a rank is not reduced there. Eager backward
-        only: a compiled step runs the same graph on every rank (checked on its first
-        run), so a parameter is unused on every rank or on none, and keeps ``.grad``
-        ``None``."""
+        over a shard group of two or more ranks only: a compiled step runs the same graph
+        on every rank (checked on its first run), so a parameter is unused on every rank
+        or on none, and keeps ``.grad`` ``None``; so does an unused parameter on a shard
+        group of one rank, which reduces nothing. (FSDP2 gives both a zero gradient,
+        which an optimizer with momentum or weight decay then steps.)"""
         for unit in units_in(self, recurse):
             unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
