@@ -595,6 +595,25 @@ class FSDPParam:
     # on the view's ``requires_grad`` and recompiles, one step later, as unsharded). A
     # frozen parameter's read still goes through the ``DTensor``. Tensor-parallel reads go
     # through the ``DTensor`` too (see ``_fully_shard._read_managed``).
+    def after_module_apply(self, attributes: dict) -> None:
+        """After ``Module._apply`` (``.to(...)``, ``to_empty``, ``.float()``) over the
+        parameter's module: the parameter it registers now (torch swaps a ``DTensor``
+        parameter's contents in place, ``__dict__`` included, or registers a new one) gets
+        back the attributes the sharded parameter had (``attributes``, which the swap left
+        on the discarded tensor), and the gathers read its new local tensor."""
+        module, name = self.registrations[0]
+        current = module._parameters[name]
+        if current is not self.sharded_param:
+            self.sharded_param = current
+            for other, other_name in self.registrations[1:]:
+                other._parameters[other_name] = current
+        for key, value in attributes.items():
+            if key not in vars(current) and key != "register_post_accumulate_grad_hook":  # (bound to the old tensor)
+                setattr(current, key, value)
+        if "register_post_accumulate_grad_hook" not in vars(current):
+            route_forward_hooks_to_local_shard(current, self.local_fqn)
+        self.refresh_local_view()
+
     def refresh_local_view(self) -> None:
         """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""

@@ -175,9 +175,13 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
     def _apply(self, fn, *args, **kwargs):
         # ``to_empty``, ``.to(...)``, ``.float()``: new local tensors for the sharded
         # parameters; the views the gathers read follow (see [Note: plain graph inputs]).
+        # torch swaps a DTensor parameter's contents with a new one's (``swap_tensors``),
+        # its ``__dict__`` too: what we keep there (the optimizer hook's reference to the
+        # FSDPParam, the gradient hooks) is put back.
+        kept = [(fsdp_param, dict(vars(fsdp_param.sharded_param))) for fsdp_param in self._fsdp_unit.params]
         result = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # (torch's reaches for FSDP2's state)
-        for fsdp_param in self._fsdp_unit.params:
-            fsdp_param.refresh_local_view()
+        for fsdp_param, attributes in kept:
+            fsdp_param.after_module_apply(attributes)
         return result
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":

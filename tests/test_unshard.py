@@ -299,3 +299,52 @@ def test_weights_loaded_after_a_step_are_what_the_next_forward_reads(pool2):
             torch.testing.assert_close(ours[rank][case], expected, rtol=0, atol=0, msg=lambda m, c=case: f"{c}: {m}")
         # the loaded weights, not the first ones: 8 inputs of 1 times v, plus v, through two layers
         torch.testing.assert_close(fsdp2[rank][(True, True, "nothing", False)][:, 0, 0], torch.tensor([37.0, 146.0, 327.0]))
+
+
+def train_after_moving(kind: str, moved: bool) -> dict:
+    """Two linear units that keep their parameters after forward, ``unshard(async_op=True)``
+    before each forward (upstream's ``test_unshard_async``), Adam (foreach) for 4 steps;
+    with ``moved``, ``.to("cpu")`` over a plain container of the model after sharding
+    (torch 2.15 swaps each ``DTensor`` parameter's contents with a new one's, ``__dict__``
+    too): the losses and parameters."""
+    import torch.distributed as dist
+
+    from fsdp_compile.testing import full_parameters
+
+    fully_shard = fully_shard_of(kind)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    fully_shard(model[0], reshard_after_forward=False)
+    fully_shard(model[2], reshard_after_forward=False)
+    fully_shard(model)
+    if moved:
+        nn.ModuleList([model]).to("cpu")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-1, foreach=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    losses = []
+    for _ in range(4):
+        model[0].unshard(async_op=True)
+        model[2].unshard(async_op=True)
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": full_parameters(model)}
+
+
+def test_moving_the_model_after_fully_shard_keeps_it_training(pool2):
+    """``.to(...)`` over a model holding units, after ``fully_shard``: on torch 2.15 it left
+    the sharded parameters without what ours keeps on them, so the full tensors
+    ``unshard()`` held were never dropped before the optimizer step and every forward
+    computed with the first step's parameters (the loss never moved; upstream's
+    ``test_unshard_async``). Bitwise the unmoved model's, and FSDP2's."""
+    moved = pool2.run(train_after_moving, "ours", True)
+    unmoved = pool2.run(train_after_moving, "ours", False)
+    fsdp2 = pool2.run(train_after_moving, "fsdp2", True)
+    for rank in range(2):
+        assert moved[rank]["losses"] == unmoved[rank]["losses"], moved[rank]["losses"]
+        assert moved[rank]["losses"][-1] < moved[rank]["losses"][0]
+        assert moved[rank]["losses"] == pytest.approx(fsdp2[rank]["losses"], rel=1e-6)
+        _assert_params_close(moved[rank]["params"], unmoved[rank]["params"], rtol=0, atol=0)
+        _assert_params_close(moved[rank]["params"], fsdp2[rank]["params"], rtol=1e-6, atol=1e-7)
