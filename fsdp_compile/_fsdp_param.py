@@ -595,12 +595,13 @@ class FSDPParam:
     # on the view's ``requires_grad`` and recompiles, one step later, as unsharded). A
     # frozen parameter's read still goes through the ``DTensor``. Tensor-parallel reads go
     # through the ``DTensor`` too (see ``_fully_shard._read_managed``).
-    def after_module_apply(self, attributes: dict) -> None:
-        """After ``Module._apply`` (``.to(...)``, ``to_empty``, ``.float()``) over the
-        parameter's module: the parameter it registers now (torch swaps a ``DTensor``
-        parameter's contents in place, ``__dict__`` included, or registers a new one) gets
-        back the attributes the sharded parameter had (``attributes``, which the swap left
-        on the discarded tensor), and the gathers read its new local tensor."""
+    def after_swap(self, attributes: dict) -> None:
+        """After ``Module._apply`` (``.to(...)``, ``to_empty``, ``.float()``) or
+        ``load_state_dict`` over the parameter's module: the parameter it registers now
+        (torch swaps a ``DTensor`` parameter's contents in place, ``__dict__`` included,
+        with ``swap_tensors``, or registers a new one) gets back the attributes the sharded
+        parameter had (``attributes``, which the swap left on the discarded tensor), and
+        the gathers read its current local tensor."""
         module, name = self.registrations[0]
         current = module._parameters[name]
         if current is not self.sharded_param:

@@ -178,10 +178,9 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         # torch swaps a DTensor parameter's contents with a new one's (``swap_tensors``),
         # its ``__dict__`` too: what we keep there (the optimizer hook's reference to the
         # FSDPParam, the gradient hooks) is put back.
-        kept = [(fsdp_param, dict(vars(fsdp_param.sharded_param))) for fsdp_param in self._fsdp_unit.params]
+        kept = _attributes_of_sharded_params(self)
         result = super(TorchFSDPModule, self)._apply(fn, *args, **kwargs)  # (torch's reaches for FSDP2's state)
-        for fsdp_param, attributes in kept:
-            fsdp_param.after_module_apply(attributes)
+        _restore_attributes_of_sharded_params(kept)
         return result
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
@@ -557,7 +556,30 @@ def _make_unit(module: nn.Module, unit: FSDPUnit) -> None:
     _swap_class(module, is_unit=True)
     module._fsdp_unit = unit
     register_fsdp2_state_view(module, unit)  # fully_shard.state(m) and m._get_fsdp_state(), for torch's code
+    # load_state_dict swaps the parameters' contents too where torch.__future__'s
+    # swap_module_params_on_conversion is on (as Module._apply always does for DTensors).
+    module.register_load_state_dict_pre_hook(_before_loading_state_dict)
+    module.register_load_state_dict_post_hook(_after_loading_state_dict)
     _adopt_nested_units(module, unit)
+
+
+def _attributes_of_sharded_params(module: nn.Module) -> list[tuple[FSDPParam, dict]]:
+    """What each sharded parameter of ``module``'s unit carries (our references and hooks),
+    before something that may swap its contents (``swap_tensors`` swaps ``__dict__`` too)."""
+    return [(fsdp_param, dict(vars(fsdp_param.sharded_param))) for fsdp_param in module._fsdp_unit.params]
+
+
+def _restore_attributes_of_sharded_params(kept: list[tuple[FSDPParam, dict]]) -> None:
+    for fsdp_param, attributes in kept:
+        fsdp_param.after_swap(attributes)
+
+
+def _before_loading_state_dict(module: nn.Module, *args) -> None:
+    module.__dict__["_fsdp_attributes_before_load"] = _attributes_of_sharded_params(module)
+
+
+def _after_loading_state_dict(module: nn.Module, incompatible_keys) -> None:
+    _restore_attributes_of_sharded_params(module.__dict__.pop("_fsdp_attributes_before_load", []))
 
 
 def _adopt_nested_units(module: nn.Module, unit: FSDPUnit) -> None:

@@ -301,12 +301,14 @@ def test_weights_loaded_after_a_step_are_what_the_next_forward_reads(pool2):
         torch.testing.assert_close(fsdp2[rank][(True, True, "nothing", False)][:, 0, 0], torch.tensor([37.0, 146.0, 327.0]))
 
 
-def train_after_moving(kind: str, moved: bool) -> dict:
+def train_after_moving(kind: str, moved: bool | str) -> dict:
     """Two linear units that keep their parameters after forward, ``unshard(async_op=True)``
     before each forward (upstream's ``test_unshard_async``), Adam (foreach) for 4 steps;
-    with ``moved``, ``.to("cpu")`` over a plain container of the model after sharding
-    (torch 2.15 swaps each ``DTensor`` parameter's contents with a new one's, ``__dict__``
-    too): the losses and parameters."""
+    after sharding, with ``moved``: ``True``, ``.to("cpu")`` over a plain container of the
+    model (torch 2.15 swaps each ``DTensor`` parameter's contents with a new one's,
+    ``__dict__`` too); ``"loaded"``/``"swap-loaded"``, ``load_state_dict`` of a copy of its
+    state dict, copying or (``torch.__future__.set_swap_module_params_on_conversion``)
+    swapping. The losses and parameters."""
     import torch.distributed as dist
 
     from fsdp_compile.testing import full_parameters
@@ -317,7 +319,14 @@ def train_after_moving(kind: str, moved: bool) -> dict:
     fully_shard(model[0], reshard_after_forward=False)
     fully_shard(model[2], reshard_after_forward=False)
     fully_shard(model)
-    if moved:
+    if moved in ("loaded", "swap-loaded"):  # torch's load_state_dict: copy_, or swap_tensors when asked to
+        swapping = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(moved == "swap-loaded")
+        try:
+            model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swapping)
+    elif moved:
         nn.ModuleList([model]).to("cpu")
     opt = torch.optim.Adam(model.parameters(), lr=1e-1, foreach=True)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
@@ -333,15 +342,17 @@ def train_after_moving(kind: str, moved: bool) -> dict:
     return {"losses": losses, "params": full_parameters(model)}
 
 
-def test_moving_the_model_after_fully_shard_keeps_it_training(pool2):
-    """``.to(...)`` over a model holding units, after ``fully_shard``: on torch 2.15 it left
-    the sharded parameters without what ours keeps on them, so the full tensors
-    ``unshard()`` held were never dropped before the optimizer step and every forward
-    computed with the first step's parameters (the loss never moved; upstream's
-    ``test_unshard_async``). Bitwise the unmoved model's, and FSDP2's."""
-    moved = pool2.run(train_after_moving, "ours", True)
+@pytest.mark.parametrize("how", [True, "loaded", "swap-loaded"], ids=["moved", "loaded", "swap-loaded"])
+def test_moving_or_loading_the_model_after_fully_shard_keeps_it_training(pool2, how):
+    """``.to(...)`` over a model holding units after ``fully_shard`` (torch 2.15), and
+    ``load_state_dict`` with swapping on (both torch versions): the swap left the sharded
+    parameters without what ours keeps on them, so the full tensors ``unshard()`` held
+    were never dropped before the optimizer step and every forward computed with the first
+    step's parameters (the loss never moved; upstream's ``test_unshard_async``). Bitwise
+    the unmoved model's, and FSDP2's."""
+    moved = pool2.run(train_after_moving, "ours", how)
     unmoved = pool2.run(train_after_moving, "ours", False)
-    fsdp2 = pool2.run(train_after_moving, "fsdp2", True)
+    fsdp2 = pool2.run(train_after_moving, "fsdp2", how)
     for rank in range(2):
         assert moved[rank]["losses"] == unmoved[rank]["losses"], moved[rank]["losses"]
         assert moved[rank]["losses"][-1] < moved[rank]["losses"][0]
