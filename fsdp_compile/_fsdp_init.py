@@ -119,6 +119,12 @@ def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str
     placement = None if shard_placement_fn is None or param.ndim == 0 else shard_placement_fn(param)
     if placement is None:
         return 0
+    if type(placement).__name__ == "ShardPlacementResult":  # torch 2.15's: a placement with a mesh of its own
+        raise NotImplementedError(
+            f"fully_shard({unit_name}): shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} (a "
+            "shard mesh of its own, torch 2.15): not supported; shard the parameters that need another mesh (experts) "
+            "in units of their own, fully_shard(experts, mesh=their_mesh), and return Shard(dim) or None here"
+        )
     if type(placement) is not Shard:
         raise TypeError(
             f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r}; "

@@ -206,7 +206,7 @@ def data_parallel_sub_mesh(mesh: DeviceMesh | None, dp_mesh_dims, unit_name: str
     shard, replicate = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
     for name in (*replicate, *shard):
         if name not in names:
-            raise ValueError(f"{call}: {name!r} is not a dimension of the mesh {names}")
+            raise ValueError(f"{call}: {name!r} is not a dimension of the mesh {names} (FSDP2: not found in mesh.mesh_dim_names)")
     if not shard:
         raise NotImplementedError(f"{call}: replicate-only (DDP) dp_mesh_dims is not supported; name a shard dim")
     shard_dims, replicate_dims = tuple(map(names.index, shard)), tuple(map(names.index, replicate))
@@ -238,18 +238,19 @@ def check_spmd_param(param: nn.Parameter, fqn: str, spmd: SpmdMesh, unit_name: s
         raise ValueError(
             f"{call}: parameter {fqn!r} is a plain tensor; with dp_mesh_dims every parameter must be a DTensor on "
             f"the full mesh {tuple(mesh.mesh_dim_names)}, Replicate() on the data-parallel dims (e.g. "
-            "distribute_module(module, mesh) or distribute_tensor(p, mesh, placements)), as in FSDP2"
+            "distribute_module(module, mesh) or distribute_tensor(p, mesh, placements)), as in FSDP2 (FSDP2: parameters "
+            "must be DTensors)"
         )
     if param.device_mesh != mesh:
         raise ValueError(
             f"{call}: parameter {fqn!r} is a DTensor on mesh {_describe(param.device_mesh)}, not on the mesh "
-            f"passed to fully_shard ({_describe(mesh)}); distribute it on that mesh"
+            f"passed to fully_shard ({_describe(mesh)}); distribute it on that mesh (FSDP2: the same mesh)"
         )
     for dim, placement in enumerate(param.placements):
         if dim in data_parallel_dims and not isinstance(placement, Replicate):
             raise ValueError(
                 f"{call}: parameter {fqn!r} has {placement!r} on the data-parallel dim {mesh.mesh_dim_names[dim]!r}; "
-                "FSDP shards it there itself: give it Replicate() on every data-parallel dim"
+                "FSDP shards it there itself: give it Replicate() on every data-parallel dim (FSDP2: Expected Replicate)"
             )
         if dim not in data_parallel_dims and not (_splits_a_dim(placement) or isinstance(placement, Replicate)):
             raise NotImplementedError(

@@ -290,3 +290,17 @@ def test_spmd_types_parameters_are_refused_by_name(fake_pg, monkeypatch, dp_mesh
     ):
         fully_shard(module, **kwargs)
     assert type(module) is nn.Sequential and not isinstance(module[0].weight, torch.distributed.tensor.DTensor)
+
+
+def test_a_shard_mesh_of_its_own_from_shard_placement_fn_is_refused_by_name(fake_pg):
+    """torch 2.15's ``shard_placement_fn`` may return a ``ShardPlacementResult`` (a placement
+    with a shard mesh of its own, for experts): refused by name, before any collective,
+    saying what to do instead (a stand-in of the same name on torch 2.13)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+        result = ShardPlacementResult.__new__(ShardPlacementResult)
+    except ImportError:
+        result = type("ShardPlacementResult", (), {})()
+    with pytest.raises(NotImplementedError, match=r"ShardPlacementResult for parameter '0.weight'.*units of their own"):
+        fully_shard(nn.Sequential(nn.Linear(4, 4)), shard_placement_fn=lambda p: result)
