@@ -127,9 +127,11 @@ def run_fabric(args) -> dict:
     return {"losses": losses, "FSDP2's checkpoint loaded: step, then loss": loss.item(), "rank": fabric.global_rank}
 
 
-def run_trainer(args) -> dict:
+def lightning_module(shard_model, compile_model: bool = False):
+    """The ``LightningModule`` of the ``Trainer`` runs: :class:`LanguageModel`, sharded in
+    ``configure_model`` by ``shard_model(model, device_mesh)``, the cross-entropy of each
+    batch recorded in ``losses``, AdamW."""
     import lightning as L
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -138,8 +140,8 @@ def run_trainer(args) -> dict:
             self.losses: list[float] = []
 
         def configure_model(self) -> None:
-            shard(self.model, self.device_mesh, args.which, args.tp)
-            if args.compile:
+            shard_model(self.model, self.device_mesh)
+            if compile_model:
                 self.model.compile(backend="aot_eager")
 
         def training_step(self, batch, index):
@@ -151,21 +153,36 @@ def run_trainer(args) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    torch.manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (32, 8), generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=2)
-    module = Module()
-    trainer = L.Trainer(
+    return Module()
+
+
+def trainer_on_cpu_ranks(tp: int, **limits):
+    """A ``Trainer`` over ``2 * tp`` CPU ranks (``ModelParallelStrategy``, data parallel 2),
+    2 batches accumulated per step, nothing logged, saved or printed; ``limits``: its
+    ``max_steps`` / ``max_epochs``."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return L.Trainer(
         accelerator="cpu",
-        devices=2 * args.tp,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=args.tp),
-        max_steps=4,
+        devices=2 * tp,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=tp),
         accumulate_grad_batches=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **limits,
     )
+
+
+def run_trainer(args) -> dict:
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (32, 8), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=2)
+    module = lightning_module(lambda model, mesh: shard(model, mesh, args.which, args.tp), args.compile)
+    trainer = trainer_on_cpu_ranks(args.tp, max_steps=4)
     trainer.fit(module, loader)
     trainer.save_checkpoint(os.path.join(args.dir, f"trainer-{args.which}"))
     return {"losses": module.losses, "rank": trainer.global_rank}

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -30,44 +32,17 @@ import torch.nn.functional as F
 
 pytest.importorskip("lightning")
 
-STEPS, VOCAB, DIM = 3, 64, 32
+_EXAMPLES = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+if _EXAMPLES not in sys.path:  # (the ranks import this module too)
+    sys.path.insert(0, _EXAMPLES)
+import lightning_fsdp as example  # noqa: E402  (its model, sharding and LightningModule)
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.w1 = nn.Linear(DIM, 4 * DIM)
-        self.w2 = nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x):
-        return x + self.w2(F.gelu(self.w1(self.norm(x))))
-
-
-class LanguageModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+STEPS, VOCAB = 3, example.VOCAB
 
 
 def _shard(model: nn.Module, mesh, kind: str) -> nn.Module:
     """The user's ``parallelize_fn``: one unit per block, then the root."""
-    if kind == "ours":
-        from fsdp_compile import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
-    return model
+    return example.shard(model, mesh, kind, tp=1)
 
 
 @contextlib.contextmanager
@@ -114,7 +89,7 @@ def _fabric(kind: str, compiled: bool):
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
-    model = fabric.setup(LanguageModel())
+    model = fabric.setup(example.LanguageModel())
     if compiled:
         model = torch.compile(model, backend="aot_eager")
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -157,49 +132,19 @@ def resume_fabric(kind: str, checkpoint: str) -> dict:
 
 
 def train_trainer(kind: str) -> dict:
-    import lightning as L
     import torch.distributed as dist
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
     from fsdp_compile.testing import full_parameters
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = LanguageModel()
-            self.losses: list[float] = []
-
-        def configure_model(self) -> None:
-            _shard(self.model, self.device_mesh, kind)
-
-        def training_step(self, batch, index):
-            (tokens,) = batch
-            loss = F.cross_entropy(self.model(tokens).flatten(0, 1), tokens.flatten())
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
     with _lightning_on_pool_ranks():
         torch.manual_seed(0)
-        module = Module()
+        module = example.lightning_module(lambda model, mesh: _shard(model, mesh, kind))
         # the same sequences on each rank: Lightning's distributed sampler gives each rank half
         tokens = torch.cat(
             [_tokens(step, micro, r) for step in range(STEPS) for micro in range(2) for r in range(dist.get_world_size())]
         )
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=2)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-            max_epochs=1,
-            accumulate_grad_batches=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = example.trainer_on_cpu_ranks(tp=1, max_epochs=1)
         trainer.fit(module, loader)
         return {"losses": module.losses, "params": full_parameters(module.model), **_units(module.model)}
 
