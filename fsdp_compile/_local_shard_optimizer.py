@@ -212,12 +212,18 @@ class _Swap:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.swapped = None
+        self.swapped = None  # what _swap_to_local swapped (None: nothing could step locally)
+        self.updating = False  # between to_local and back: the update runs on the local tensors
 
     def to_local(self, *_hook_args) -> None:
+        self.updating = True
         self.swapped = _swap_to_local(self.optimizer)
 
     def back(self, *_hook_args) -> None:
+        self.updating = False
+        self._undo()
+
+    def _undo(self) -> None:
         if self.swapped is not None:
             swapped, self.swapped = self.swapped, None
             _swap_back(self.optimizer, swapped)
@@ -231,13 +237,12 @@ class _Swap:
             return args, kwargs
 
         def on_dtensors():
-            was_local = self.swapped is not None
-            self.back()
+            self._undo()
             try:
                 return closure()
             finally:
-                if was_local:
-                    self.to_local()
+                if self.updating:  # (the gradients the closure made can step locally now)
+                    self.swapped = _swap_to_local(self.optimizer)
 
         if args:
             return (on_dtensors, *args[1:]), kwargs
