@@ -575,26 +575,6 @@ class FSDPParam:
         with torch.no_grad(), fx_annotate(self.spec.tag.as_meta(Role.REGATHER)) if annotating() else NO_ANNOTATION:
             return self._for_compute(gather_post_forward_shard(post, self.layout, name, size))
 
-    # [Note: plain graph inputs] A traced gather reads :attr:`local_view`: an alias of the
-    # sharded parameter's local tensor (its ``detach()``, made once and kept, with an
-    # autograd edge that hands the gradient back as the parameter's ``DTensor`` gradient,
-    # as ``to_local()``'s does). Rules it keeps:
-    # * it shares the local tensor's storage, so in-place writes (optimizer steps,
-    #   checkpoint loads) show through it;
-    # * it is no autograd view, so in-place writes to the parameter never make autograd
-    #   rebuild its ``grad_fn``, and its edge saves nothing, so every backward runs it;
-    # * the sharded ``DTensor`` is then no input of a compiled graph: AOTAutograd sees
-    #   plain tensors only and needs no subclass handling.
-    # [Note: traced reads without the DTensor] A traced read of a trainable parameter (no
-    # tensor parallelism, no all-gather extension) touches neither the sharded ``DTensor``
-    # nor ``module._parameters``, so Dynamo installs no guard on the ``DTensor`` (its spec,
-    # its mesh, its aliases) at every call. The one fact it needs from the ``DTensor``,
-    # whether it requires a gradient, :attr:`local_view` mirrors
-    # (:func:`_requires_grad_followers` makes a new view at trace time, or in the backward
-    # of a parameter frozen since the last trace; the new view then fails Dynamo's guard
-    # on the view's ``requires_grad`` and recompiles, one step later, as unsharded). A
-    # frozen parameter's read still goes through the ``DTensor``. Tensor-parallel reads go
-    # through the ``DTensor`` too (see ``_fully_shard._read_managed``).
     def after_swap(self, attributes: dict) -> None:
         """After ``Module._apply`` (``.to(...)``, ``to_empty``, ``.float()``) or
         ``load_state_dict`` over the parameter's module: the parameter it registers now
@@ -615,6 +595,26 @@ class FSDPParam:
             route_forward_hooks_to_local_shard(current, self.local_fqn)
         self.refresh_local_view()
 
+    # [Note: plain graph inputs] A traced gather reads :attr:`local_view`: an alias of the
+    # sharded parameter's local tensor (its ``detach()``, made once and kept, with an
+    # autograd edge that hands the gradient back as the parameter's ``DTensor`` gradient,
+    # as ``to_local()``'s does). Rules it keeps:
+    # * it shares the local tensor's storage, so in-place writes (optimizer steps,
+    #   checkpoint loads) show through it;
+    # * it is no autograd view, so in-place writes to the parameter never make autograd
+    #   rebuild its ``grad_fn``, and its edge saves nothing, so every backward runs it;
+    # * the sharded ``DTensor`` is then no input of a compiled graph: AOTAutograd sees
+    #   plain tensors only and needs no subclass handling.
+    # [Note: traced reads without the DTensor] A traced read of a trainable parameter (no
+    # tensor parallelism, no all-gather extension) touches neither the sharded ``DTensor``
+    # nor ``module._parameters``, so Dynamo installs no guard on the ``DTensor`` (its spec,
+    # its mesh, its aliases) at every call. The one fact it needs from the ``DTensor``,
+    # whether it requires a gradient, :attr:`local_view` mirrors
+    # (:func:`_requires_grad_followers` makes a new view at trace time, or in the backward
+    # of a parameter frozen since the last trace; the new view then fails Dynamo's guard
+    # on the view's ``requires_grad`` and recompiles, one step later, as unsharded). A
+    # frozen parameter's read still goes through the ``DTensor``. Tensor-parallel reads go
+    # through the ``DTensor`` too (see ``_fully_shard._read_managed``).
     def refresh_local_view(self) -> None:
         """Make :attr:`local_view` an alias of :attr:`sharded_param`'s current local tensor
         again (after ``to_empty``, ``.to(...)`` or anything else that replaced it)."""
