@@ -172,3 +172,18 @@ def max_gap(a: dict, b: dict) -> float:
         assert pa.keys() == pb.keys()
         gaps += [(pa[k] - pb[k]).abs().max().item() for k in pa]
     return max(gaps)
+
+
+def padded_gather_numel(params, world_size: int = 2) -> int:
+    """How many elements a unit's all-gather outputs: each parameter's dim 0 padded to a
+    multiple of ``world_size``. Computed from shapes only: indexing a sharded ``DTensor``
+    (``p[0]``) would issue a collective of its own on every call."""
+    total = 0
+    for p in params:
+        rows = p.shape[0] if p.ndim else 1
+        per_row = p.numel() // rows if rows else 0
+        if p.ndim <= 1:
+            total += -(-p.numel() // world_size) * world_size
+        else:
+            total += -(-rows // world_size) * world_size * per_row
+    return total

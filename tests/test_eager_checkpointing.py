@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models import fully_shard_of
+from tests.models import fully_shard_of, padded_gather_numel
 from tests.test_fsdp2_compose_more import Stack3
 from tests.test_fsdp2_contract_more import AG, CollectiveLog
 
@@ -107,7 +107,7 @@ def train_checkpointed(kind: str, style: str, reshard: bool, accumulate: bool, p
     sizes = {}
     for name, unit in [("root", model), *[(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]]:
         own = [p for n, p in unit.named_parameters() if unit is not model or not n.startswith("layers.")]
-        sizes[sum(-(-p.numel() // 2) * 2 if p.ndim == 1 else -(-p.shape[0] // 2) * 2 * p[0].numel() for p in own)] = name
+        sizes[padded_gather_numel(own)] = name
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses, grads, backwards = [], [], []

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models import fully_shard_of
+from tests.models import fully_shard_of, padded_gather_numel
 from tests.test_eager_checkpointing import Stack, assert_trains_as_fsdp2
 from tests.test_fsdp2_contract_more import AG, CollectiveLog
 
@@ -67,7 +67,7 @@ def train_multi_forward(kind: str, scenario: str, reshard: bool, checkpointed: b
     for name, unit in units:
         others = [f"{other}." for other, _ in units if other != "root"]
         own = [p for n, p in unit.named_parameters() if unit is not model or not n.startswith(tuple(others))]
-        sizes[sum(-(-p.numel() // 2) * 2 if p.ndim == 1 else -(-p.shape[0] // 2) * 2 * p[0].numel() for p in own)] = name
+        sizes[padded_gather_numel(own)] = name
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses, grads, backwards = [], [], []

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.models import fully_shard_of
+from tests.models import fully_shard_of, padded_gather_numel
 from tests.test_fsdp2_contract import _avg_grads, _close, _largest_dim, _llama, _ref_params
 from tests.test_fsdp2_contract_more import AG, MLP, Block, CollectiveLog
 from tests.test_fsdp2_training_more import PartialModel, _close_grads, _full_grads, _mp_policy, _ref_grads
@@ -402,7 +402,7 @@ def backward_prefetch_order(kind: str, reshard: bool, ac: bool, multi_forward: b
     sizes = {}
     for name, unit in [("root", model), *[(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]]:
         own = [p for n, p in unit.named_parameters() if unit is not model or not n.startswith("layers.")]
-        sizes[sum(-(-p.numel() // 2) * 2 if p.ndim == 1 else -(-p.shape[0] // 2) * 2 * p[0].numel() for p in own)] = name
+        sizes[padded_gather_numel(own)] = name
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
 

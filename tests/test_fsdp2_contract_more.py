@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.models import fully_shard_of
+from tests.models import fully_shard_of, padded_gather_numel
 from tests.test_fsdp2_contract import _avg_grads, _check_state_dict_save_load, _close, _largest_dim, _llama, _ref_params
 
 #: Each test runs against ours; with ``FSDP_COMPILE_CHECK_FSDP2=1`` against torch's FSDP2
@@ -1412,7 +1412,7 @@ def prefetch_order(kind: str, direction: str, num: int) -> dict:
     sizes = {}
     for name, unit in [("root", model), *[(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]]:
         own = [p for n, p in unit.named_parameters() if unit is not model or not n.startswith("layers.")]
-        sizes[sum(-(-p.numel() // 2) * 2 if p.ndim == 1 else -(-p.shape[0] // 2) * 2 * p[0].numel() for p in own)] = name
+        sizes[padded_gather_numel(own)] = name
     layers = list(model.layers)
     for i, layer in enumerate(layers):
         assert isinstance(layer, FSDPModule)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.models import fully_shard_of
+from tests.models import fully_shard_of, padded_gather_numel
 from tests.test_fsdp2_contract import _avg_grads, _close, _llama, _ref_params
 from tests.test_fsdp2_contract_more import AG, MLP, CollectiveLog, _mesh, _to_empty_and_reset
 from tests.test_fsdp2_training_more import _close_grads, _full_grads, _ref_grads
@@ -384,7 +384,7 @@ def two_tensor_end_to_end(kind: str) -> dict:
 
 def _padded_numel(params) -> int:
     """What a unit's all-gather outputs over 2 ranks: each parameter's dim 0 padded to even."""
-    return sum(-(-p.numel() // 2) * 2 if p.ndim == 1 else -(-p.shape[0] // 2) * 2 * p[0].numel() for p in params)
+    return padded_gather_numel(params)
 
 
 def multi_module_backward_prefetch(kind: str) -> list:
