@@ -31,6 +31,7 @@ from fsdp_compile.runtime.collectives import (
     issue_all_reduce,
     issue_reduce_scatter,
     issue_reduce_scatter_halves,
+    post_reduce_hook_op,
     sums_reduce_scatter_here,
 )
 
@@ -53,6 +54,7 @@ def bucket_key(spec: CollectiveSpec, local: torch.Tensor) -> tuple | None:
         spec.grad_postdivide,
         spec.reduce_group_names,
         spec.all_reduce_ops(),
+        spec.post_reduce_hook,
         local.requires_grad,
     )
 
@@ -111,17 +113,27 @@ class ReduceScatterInFlight:
     shard_dtypes: list[torch.dtype]
     halves_op: str | None = None  # ``reduced`` holds both ranks' halves to reduce so (``sums_reduce_scatter_here``)
 
+    post_reduce_hook: str | None = None  # the key of FSDP2's all-reduce hook, called on the flat result
+
     def wait(self) -> list[torch.Tensor]:
         out = c10d_functional.wait_tensor(self.reduced)
         if self.halves_op is not None:
             out = sum_received_slices(out, 2, self.halves_op == "avg")
+        reduce_groups = zip(self.reduce_group_names, self.reduce_group_ops, strict=True)
+        if self.post_reduce_hook is not None:
+            # As FSDP2's: the hook gets the whole reduced buffer (each shard padded to the
+            # group's row count), after the all-reduces, and changes it in place.
+            for group_name, op in reduce_groups:
+                out = c10d_functional.wait_tensor(issue_all_reduce(out.contiguous(), op, group_name))
+            post_reduce_hook_op(out, self.post_reduce_hook)
         shards, offset = [], 0
         for layout in self.layouts:
             width = layout.padded_numel
             shards.append(out[offset : offset + width].view(layout.padded_local_shape)[: layout.local_rows])
             offset += width
-        for group_name, op in zip(self.reduce_group_names, self.reduce_group_ops, strict=True):
-            shards = _all_reduce_bucket(shards, op, group_name)
+        if self.post_reduce_hook is None:
+            for group_name, op in reduce_groups:
+                shards = _all_reduce_bucket(shards, op, group_name)
         if self.postdivide is not None:
             shards = [s / self.postdivide for s in shards]
         return [s.to(dtype) for s, dtype in zip(shards, self.shard_dtypes, strict=True)]
@@ -156,6 +168,7 @@ def issue_reduce_scatter_bucket(
         spec.grad_postdivide,
         list(shard_dtypes),
         spec.reduce_op if halves else None,
+        spec.post_reduce_hook,
     )
 
 

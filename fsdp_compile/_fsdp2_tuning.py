@@ -106,11 +106,3 @@ class FSDP2TuningMethods:
             f"set_custom_reduce_scatter on {type(self).__name__}: custom reduce-scatter implementations are "
             "not supported by fsdp_compile (its reduce-scatters are traced functional collectives)"
         )
-
-    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
-        """Not supported: use an HSDP mesh for a replicate dimension, or tensor parallelism's
-        gradient hooks on the parameters."""
-        raise NotImplementedError(
-            f"set_all_reduce_hook on {type(self).__name__}: all-reduce hooks are not supported by "
-            "fsdp_compile; for a replicate dimension pass a 2-D (replicate, shard) mesh to fully_shard"
-        )

@@ -330,6 +330,7 @@ class FSDPParam:
             grad_postdivide=arithmetic.postdivide,
             param_dtype=self.param_dtype,
             reduce_dtype=policy_reduce_dtype,
+            post_reduce_hook=None if unit.all_reduce_hook is None else unit.all_reduce_hook.key,
         )
         # The same collectives, named relative to the unit: what a compiled frame of this
         # unit's own traces (see ``FSDPUnit.traced_naming``); prefetch hints name

@@ -29,6 +29,7 @@ from fsdp_compile.runtime.process_groups import DataParallelMesh
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_param import FSDPParam
+    from fsdp_compile.runtime.collectives import PostReduceHook
 
 
 def compute_device(mesh: DeviceMesh) -> torch.device:
@@ -86,6 +87,7 @@ SPEC_OPTIONS = frozenset(
         "reshard_after_backward",
         "gradient_divide_factor",
         "force_sum_reduction_for_comms",
+        "all_reduce_hook",
         "forward_prefetched_by",
         "backward_prefetched_by",
         "mp_policy",
@@ -126,6 +128,9 @@ class FSDPUnit:
     # FSDP2's set_force_sum_reduction_for_comms: reductions are sums, the division
     # done by the gradient's own ops (runtime.collectives.gradient_reduction).
     force_sum_reduction_for_comms: bool = False
+    # FSDP2's set_all_reduce_hook: called on the reduced gradients, in place, after the
+    # reduce-scatter (HSDP: the all-reduce), before the post-division.
+    all_reduce_hook: PostReduceHook | None = field(default=None, repr=False)
     # FSDP2's set_reduce_scatter_unused_params: eager backward reduces a zero gradient
     # for a parameter that got none on this rank (ranks that used different parameters
     # then still issue the same reduce-scatter); False: such a parameter is left out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -296,6 +296,27 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
             raise ValueError(f"set_gradient_divide_factor({factor}): the factor must be positive")
         for unit in units_in(self, recurse=False):
             unit.update(gradient_divide_factor=float(factor))
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream=None) -> None:
+        """FSDP2's: call ``hook(reduce_output)`` on this unit's reduced gradients after the
+        reduce-scatter (native HSDP: after the all-reduce over the replicate dimension),
+        before the division by the group size and the cast to the parameters' dtype.
+        ``reduce_output`` is a flat tensor in the reduce dtype that the hook changes in
+        place: e.g. ``dist.all_reduce`` over the replicas of a 1-D FSDP group (torchft's
+        pattern). Eager: once per bucket (one per dtype, as FSDP2's per unit); compiled:
+        once per parameter, on its reduced shard, inside the graph as an opaque call, so a
+        hook that is not elementwise (a norm of the whole unit) sees a different split.
+        ``stream``: an accelerator stream to run it on; with native HSDP it raises
+        ``ValueError``, as FSDP2. ``None`` removes the hook."""
+        from fsdp_compile.runtime.collectives import PostReduceHook
+
+        units = list(units_in(self, recurse=False))
+        if stream is not None and any(unit.dp_mesh.replicate_dim is not None for unit in units):
+            raise ValueError("stream cannot be set when using native HSDP")
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook on {type(self).__name__}: the hook must be callable, got {type(hook).__name__}")
+        for unit in units:
+            unit.update(all_reduce_hook=None if hook is None else PostReduceHook.of(hook, stream))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 too: use :meth:`set_gradient_divide_factor`."""

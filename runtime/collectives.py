@@ -12,6 +12,8 @@ passes can tell our collectives from any other collective in the same graph
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -103,6 +105,9 @@ class CollectiveSpec:
             :func:`gradient_reduction`).
         param_dtype / reduce_dtype: the mixed-precision policy's (``None``: keep the
             shard's / the gradient's dtype).
+        post_reduce_hook: the key (:func:`register_post_reduce_hook`) of a function called
+            on the reduced gradient, in place, after the last all-reduce and before
+            ``grad_postdivide`` (FSDP2's ``set_all_reduce_hook``); ``None``: none.
     """
 
     layout: ShardLayout | None
@@ -115,6 +120,7 @@ class CollectiveSpec:
     grad_postdivide: float | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    post_reduce_hook: str | None = None
     # The ``fx_annotate`` values of the traced nodes, built once from ``tag`` (traced
     # code then reads a constant instead of building a dict at every parameter read):
     # the gather's; the reduce-scatter's; the all-reduce's after it.
@@ -141,6 +147,7 @@ class CollectiveSpec:
             and self.grad_scale is None
             and self.grad_predivide is None
             and self.grad_postdivide is None
+            and self.post_reduce_hook is None
         )
         object.__setattr__(self, "local_only", local_only and self.reduce_dtype in (None, self.param_dtype))
         _SPECS_BY_KEY.setdefault(key, self)
@@ -405,6 +412,9 @@ class _GatherWithGradSync(torch.autograd.Function):
             with fx_annotate(spec.all_reduce_meta) if annotating() else NO_ANNOTATION:
                 for group_name, op in zip(spec.reduce_group_names, spec.all_reduce_ops(), strict=True):
                     grad = c10d_functional.wait_tensor(issue_all_reduce(grad.contiguous(), op, group_name))
+        if spec.post_reduce_hook is not None:
+            grad = grad.contiguous()
+            post_reduce_hook_op(grad, spec.post_reduce_hook)
         if spec.grad_postdivide is not None:
             with fx_annotate(spec.reduce_meta) if annotating() else NO_ANNOTATION:
                 grad = grad / spec.grad_postdivide
@@ -518,3 +528,67 @@ _LIBRARY.impl("gather_with_grad_sync", _gather_with_grad_sync_op, "CompositeImpl
 #: ``torch.ops.fsdp_compile.gather_with_grad_sync``: :func:`gather_with_grad_sync` without
 #: ``kept``, for a sharded parameter, with its spec passed by :attr:`CollectiveSpec.key`.
 gather_op = torch.ops.fsdp_compile.gather_with_grad_sync.default
+
+
+# ---------------------------------------------------------------- post-reduce hooks
+#
+# FSDP2's ``set_all_reduce_hook``: a user function called on a unit's reduced gradient, in
+# place, after the reduce-scatter (and HSDP's all-reduce), before the post-division.
+# A spec names its hook by a key (specs are compared and keyed by their ``repr``); the
+# functions are held by their units (:class:`PostReduceHook`), this table only points
+# at them, weakly, so that it keeps no model's state alive. Compiled graphs call the
+# hook through :data:`post_reduce_hook_op`, one opaque node that mutates the gradient
+# (Inductor runs it as a Python call, whatever the hook does: a ``dist.all_reduce``
+# over another group, a scale, a log).
+
+_POST_REDUCE_HOOKS: "weakref.WeakValueDictionary[str, PostReduceHook]" = weakref.WeakValueDictionary()
+_post_reduce_hook_count = itertools.count()
+
+
+class PostReduceHook:
+    """A unit's ``set_all_reduce_hook``: ``hook(reduced)``, run on ``stream`` if given (an
+    accelerator stream, ordered after the current one and before what follows)."""
+
+    def __init__(self, hook, stream=None) -> None:
+        self.hook, self.stream = hook, stream
+        # The same on every rank that sets hooks in the same order (specs' keys are compared
+        # across ranks), and never reused in a process.
+        self.key = f"post_reduce_hook_{next(_post_reduce_hook_count)}"
+        _POST_REDUCE_HOOKS[self.key] = self
+
+    @classmethod
+    def of(cls, hook, stream=None) -> "PostReduceHook":
+        """The live entry for ``hook`` on ``stream`` if a unit holds one (units given the
+        same function share a key, so identical blocks still compile one graph), else a new one."""
+        for entry in list(_POST_REDUCE_HOOKS.values()):
+            if entry.hook is hook and entry.stream is stream:
+                return entry
+        return cls(hook, stream)
+
+    def __call__(self, reduced: torch.Tensor) -> None:
+        if self.stream is None:
+            self.hook(reduced)
+            return
+        device_module = torch.get_device_module(reduced.device.type)
+        current = device_module.current_stream()
+        self.stream.wait_stream(current)
+        with device_module.stream(self.stream):
+            self.hook(reduced)
+        current.wait_stream(self.stream)
+
+
+@torch.library.custom_op("fsdp_compile::post_reduce_hook", mutates_args=("reduced",))
+def post_reduce_hook_op(reduced: torch.Tensor, hook: str) -> None:
+    """Call the post-reduce hook registered as ``hook`` on ``reduced`` (in place)."""
+    registered = _POST_REDUCE_HOOKS.get(hook)
+    if registered is None:
+        raise RuntimeError(
+            f"fsdp_compile: a compiled graph calls the all-reduce hook {hook!r} of a unit that no longer "
+            "exists or whose hook was replaced; recompile (torch._dynamo.reset())"
+        )
+    registered(reduced)
+
+
+@post_reduce_hook_op.register_fake
+def _(reduced: torch.Tensor, hook: str) -> None:
+    return None

@@ -107,7 +107,6 @@ def api_calls() -> dict:
     calls = {
         "custom_all_gather": lambda: layer.set_custom_all_gather(object()),
         "custom_reduce_scatter": lambda: layer.set_custom_reduce_scatter(object()),
-        "all_reduce_hook": lambda: layer.set_all_reduce_hook(lambda g: None),
         "max_input_buffers_0": lambda: layer.set_reduce_scatter_max_input_buffers(0),
         "max_input_buffers_float": lambda: layer.set_reduce_scatter_max_input_buffers(2.5),
         "max_input_buffers_bool": lambda: layer.set_reduce_scatter_max_input_buffers(True),
@@ -331,7 +330,7 @@ def test_fsdp2_hints_are_accepted_and_unsupported_methods_raise(pool2):
     assert result["finalize"] is None and result["finalize_async"] is None
     assert result["alias_warns"] == ["FutureWarning"] and result["alias_sets"] == 2.0
     errors = result["errors"]
-    for name in ("custom_all_gather", "custom_reduce_scatter", "all_reduce_hook"):
+    for name in ("custom_all_gather", "custom_reduce_scatter"):
         kind, message = errors[name]
         assert kind == "NotImplementedError" and "FSDPLinear" in message, (name, message)
     assert errors["max_input_buffers_0"][0] == "ValueError"
