@@ -22,6 +22,12 @@ and then reads that state finds this view of the unit instead, as ``fully_shard.
 - ``torch.distributed.fsdp.share_comm_ctx(modules)`` hands the first state's ``_comm_ctx``
   to the others (there are no side streams here; the assignment is kept, as on FSDP2's).
 
+- Code written against FSDP2 that inspects its state (upstream's tests; torchtitan's chunked
+  loss asks whether the head is gathered): ``_is_root``, ``_state_ctx.all_states`` (one per
+  unit) and, from every module of a unit, ``_fsdp_param_group`` (``None`` without
+  parameters): ``_module_fqn``, ``fsdp_params`` (``_param_fqn``, ``sharded_param``),
+  ``mesh_info`` (the groups), ``is_unsharded``. Read-only.
+
 Anything else of FSDP2's state raises, naming the module.
 """
 
@@ -96,13 +102,60 @@ def finish_gradient_accumulation(unit: FSDPUnit) -> None:
 
 
 class _ParamGroupView:
-    """FSDP2's ``FSDPParamGroup`` as pipelining uses it."""
+    """FSDP2's ``FSDPParamGroup`` as pipelining uses it (``post_backward``), and what code
+    written against FSDP2 reads of it: ``fsdp_params`` (each with ``_param_fqn`` and
+    ``sharded_param``), ``_module_fqn``, ``mesh_info`` and ``is_unsharded``. Read-only."""
 
     def __init__(self, unit: FSDPUnit) -> None:
         self.unit = unit
 
     def post_backward(self) -> None:
         finish_gradient_accumulation(self.unit)
+
+    @property
+    def _module_fqn(self) -> str:
+        """The unit's modules' paths from the outermost sharded module, as FSDP2's (``", "``-joined)."""
+        return ", ".join(self.unit.module_fqns)
+
+    @property
+    def fsdp_params(self) -> list[_ParamView]:
+        return [_ParamView(p) for p in self.unit.params]
+
+    @property
+    def mesh_info(self) -> _MeshInfoView:
+        return _MeshInfoView(self.unit)
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the unit's parameters are gathered now: held by ``unshard()``, kept after a
+        backward (``set_reshard_after_backward(False)``) or after a forward that does not reshard."""
+        kept = self.unit.eager.forward_kept if self.unit.eager is not None else {}
+        return any(p.still_gathered() is not None or p in kept for p in self.unit.params)
+
+
+class _ParamView:
+    """FSDP2's ``FSDPParam``: its path from the outermost sharded module and its sharded parameter."""
+
+    def __init__(self, fsdp_param) -> None:
+        self._param_fqn = fsdp_param.fqn
+        self.sharded_param = fsdp_param.sharded_param
+
+
+class _MeshInfoView:
+    """FSDP2's ``FSDPMeshInfo`` / ``HSDPMeshInfo``: the data-parallel mesh and its groups."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        dp = unit.dp_mesh
+        self.mesh = dp.mesh
+        self.shard_mesh_dim, self.replicate_mesh_dim = dp.shard_dim, dp.replicate_dim
+        if dp.shard_dim is not None:
+            self.shard_process_group = dp.mesh.get_group(dp.shard_dim)
+            self.shard_mesh_size = dp.mesh.size(dp.shard_dim)
+            self.shard_mesh_rank = self.shard_process_group.rank()
+        if dp.replicate_dim is not None:
+            self.replicate_process_group = dp.mesh.get_group(dp.replicate_dim)
+            self.replicate_mesh_size = dp.mesh.size(dp.replicate_dim)
+            self.replicate_mesh_rank = self.replicate_process_group.rank()
 
 
 class _StateContextView:
@@ -114,7 +167,12 @@ class _StateContextView:
         """Every unit's view under this module (pipelining reduces them all)."""
         from fsdp_compile._fully_shard import FSDPModule
 
-        return [fsdp2_state_view(m) for m in self.module.modules() if isinstance(m, FSDPModule)]
+        views, units = [], set()
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule) and id(m._fsdp_unit) not in units:  # one per unit, as FSDP2's states
+                units.add(id(m._fsdp_unit))
+                views.append(fsdp2_state_view(m._fsdp_unit.modules[0]))  # the one holding its group
+        return views
 
 
 class NoStreams:
@@ -126,14 +184,34 @@ class _UnitStateView:
     """FSDP2's ``FSDPState`` as torch's code uses it: pipelining (``_state_ctx.all_states``,
     ``_fsdp_param_groups``, ``_root_post_backward_final_callback``, ``_comm_ctx``),
     ``register_fsdp_forward_method`` (``_pre_forward``, ``_post_forward``) and
-    ``share_comm_ctx`` (``_comm_ctx``, ``_lazy_init``). Any other attribute raises."""
+    ``share_comm_ctx`` (``_comm_ctx``, ``_lazy_init``); and, read-only, what code written
+    against FSDP2 inspects (``_is_root``, ``_fsdp_param_group``). Any other attribute raises."""
 
     def __init__(self, module: nn.Module, unit: FSDPUnit) -> None:
         self._module = module
-        self._fsdp_param_groups = [_ParamGroupView(unit)] if module is unit.modules[0] else []
+        self._unit = unit
         self._state_ctx = _StateContextView(module)
         self._comm_ctx = NoStreams()
         module.__dict__[_VIEW_KEY] = self
+
+    @property
+    def _fsdp_param_groups(self) -> list[_ParamGroupView]:
+        """As FSDP2's: one group where the unit has parameters, listed by its first module's
+        state only (pipelining reduces every state's groups: once per unit)."""
+        unit = self._unit
+        return [_ParamGroupView(unit)] if self._module is unit.modules[0] and unit.params else []
+
+    @property
+    def _is_root(self) -> bool:
+        """Whether the unit is the outermost sharded one (FSDP2 decides it at lazy init; here
+        ``fully_shard`` of an enclosing module decides it)."""
+        return self._unit.is_root
+
+    @property
+    def _fsdp_param_group(self) -> _ParamGroupView | None:
+        """The unit's parameter group, for each of its modules (FSDP2's one state per
+        ``fully_shard``); ``None`` for a unit without parameters, as FSDP2's."""
+        return _ParamGroupView(self._unit) if self._unit.params else None
 
     def _root_post_backward_final_callback(self) -> None:
         """Nothing to wait for: each reduction finished inside its backward."""

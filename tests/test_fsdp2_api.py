@@ -617,3 +617,107 @@ def test_torchs_replicate_composes_with_our_units_as_with_fsdp2s(pool2, layout):
         assert ours["local"].keys() == fsdp2["local"].keys()
         for name in ours["local"]:
             assert torch.equal(ours["local"][name], fsdp2["local"][name]), name
+
+
+class _ChunkedHead(nn.Module):
+    """torchtitan's chunked loss: the head run per chunk of the body's output."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.body = nn.Linear(8, 8, bias=False)
+        self.norm = nn.RMSNorm(8)
+        self.head = nn.Linear(8, 32, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def fsdp2_private_state(kind: str, tie: bool) -> dict:
+    """What code written against FSDP2 reads of its private state (upstream's
+    ``test_fully_shard_is_root``, ``test_fully_shard_module_and_param_fqns`` and
+    ``test_partial_group_reshard_toggle``, torchtitan's ``ChunkedCELoss`` pattern): which
+    unit is the root, each group's module and parameter paths and mesh, and whether the
+    head's group is gathered through a chunk loop with resharding off; then the gradients
+    that loop gives over 2 Adam steps."""
+    import torch.distributed as dist
+
+    from fsdp_compile.testing import full_parameters
+
+    fully_shard = fully_shard_of(kind)
+    torch.manual_seed(0)
+    model = _ChunkedHead(tie)
+    if tie:
+        fully_shard(model.body)
+        fully_shard([model.embed, model.norm, model.head], reshard_after_forward=False)
+    else:
+        fully_shard(model.embed)
+        fully_shard(model.body)
+        fully_shard([model.norm, model.head], reshard_after_forward=False)
+    fully_shard(model)
+    state = fully_shard.state(model)
+    state._lazy_init()
+    modules = {"root": model, "embed": model.embed, "body": model.body, "norm": model.norm, "head": model.head}
+    out = {
+        "is_root": {name: fully_shard.state(m)._is_root for name, m in modules.items()},
+        "all_states": [
+            next(n for n, m in modules.items() if fully_shard.state(m) is s or m._get_fsdp_state() is s)
+            for s in state._state_ctx.all_states
+        ],
+        "groups": {},
+    }
+    for name, m in modules.items():
+        group = m._get_fsdp_state()._fsdp_param_group
+        out["groups"][name] = None if group is None else (
+            group._module_fqn,
+            sorted(p._param_fqn for p in group.fsdp_params),
+            [type(p.sharded_param).__name__ for p in group.fsdp_params],
+            group.mesh_info.shard_mesh_size,
+            dist.get_process_group_ranks(group.mesh_info.shard_process_group),
+        )
+    head_group = model.head._get_fsdp_state()._fsdp_param_group
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    gathered, params = [], []
+    for _ in range(2):
+        h = model(tokens, skip_head=True)
+        model.head.set_reshard_after_forward(False)
+        model.head.set_reshard_after_backward(False)
+        grads = []
+        for chunk in torch.chunk(h.detach(), 2, dim=1):
+            chunk = chunk.contiguous().requires_grad_(True)
+            model.head(chunk).sum().backward()
+            grads.append(chunk.grad)
+            gathered.append(head_group.is_unsharded)
+        model.head.set_reshard_after_forward(True)
+        model.head.set_reshard_after_backward(True)
+        model.head.reshard()
+        gathered.append(head_group.is_unsharded)
+        h.backward(torch.cat(grads, dim=1))
+        out.setdefault("no_grad", [n for n, p in model.named_parameters() if p.grad is None])
+        opt.step()
+        opt.zero_grad()
+        params.append(full_parameters(model))
+    out["gathered"], out["params"] = gathered, params
+    return out
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_fsdp2_private_state_reads_and_the_chunked_loss_toggle_match_fsdp2(pool2, tie):
+    """Code written against FSDP2 reads ``_is_root``, ``_state_ctx.all_states`` (one per
+    unit) and ``_fsdp_param_group`` (``_module_fqn``, ``fsdp_params``' ``_param_fqn`` and
+    ``sharded_param``, ``mesh_info``, ``is_unsharded``) of each module's state: ours answers
+    as FSDP2's does, for every module of a multi-module unit. The chunked loss that toggles
+    resharding around the head's chunks keeps the head gathered through the loop, frees it
+    at ``reshard()``, and trains as FSDP2 (every parameter gets a gradient)."""
+    got = pool2.run(fsdp2_private_state, "ours", tie)
+    expected = pool2.run(fsdp2_private_state, "fsdp2", tie)
+    for g, e in zip(got, expected, strict=True):
+        for key in ("is_root", "all_states", "groups", "gathered", "no_grad"):
+            assert g[key] == e[key], (key, g[key], e[key])
+        assert g["gathered"] == [True, True, False] * 2 and g["no_grad"] == []
+        for step_got, step_expected in zip(g["params"], e["params"], strict=True):
+            _close(step_got, step_expected, rtol=1e-6, atol=1e-7)
