@@ -465,6 +465,11 @@ def fully_shard(
     """
     spmd = None
     if dp_mesh_dims is not None:
+        if type(reshard_after_forward) is int:  # (before any collective, as FSDP2)
+            raise NotImplementedError(
+                f"fully_shard({_unit_name(_as_module_list(module))}): reshard_after_forward as int is not yet "
+                "supported with SPMD mesh (dp_mesh_dims); pass True or False"
+            )
         mesh, spmd = data_parallel_sub_mesh(mesh, dp_mesh_dims, _unit_name(_as_module_list(module)))
     options = (reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
     return _shard_as_one_unit(module, mesh, *options, shard=True, spmd=spmd)
