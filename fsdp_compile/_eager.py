@@ -133,6 +133,47 @@ def post_forward(unit: FSDPUnit) -> None:
 cast_output_outside_dynamo = torch.compiler.disable(cast_output)
 
 
+@torch.compiler.disable
+def zero_unused_gradients_after_backward(unit: FSDPUnit, output) -> None:
+    """FSDP2's ``set_reduce_scatter_unused_params(True)``: after a synced backward that
+    reaches this forward's outputs, every parameter of the unit that requires a gradient
+    and got none has a zero one (FSDP2 reduces zeros for it; so does our bucketed
+    reduction over two or more ranks, which this leaves as it is). Where nothing else
+    reduces them (a shard group of one rank, a parameter gathered on its own), the zeros
+    are made here, so that an optimizer with momentum or weight decay steps them as FSDP2's."""
+    if not (unit.reduce_scatter_unused_params and torch.is_grad_enabled() and running_backward_id() is None):
+        return
+    outputs = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outputs:
+        return
+    unit_ref = weakref.ref(unit)
+    torch.autograd.graph.register_multi_grad_hook(
+        outputs, lambda grads: call_at_end_of_backward(_zero_filler(unit_ref)), mode="any"
+    )
+
+
+def _zero_filler(unit_ref: weakref.ref):
+    """The end-of-backward call that fills ``unit``'s missing gradients with zeros (one per
+    unit, so a backward queues it once however many of its forwards it reaches)."""
+    unit = unit_ref()
+    if unit is None:
+        return lambda: None
+    filler = unit.__dict__.get("_zero_unused_gradients")
+    if filler is None:
+
+        def filler() -> None:
+            if not unit.requires_gradient_sync:
+                return
+            with torch.no_grad():
+                for fsdp_param in unit.params:
+                    param = fsdp_param.sharded_param
+                    if param.requires_grad and param.grad is None:
+                        param.grad = torch.zeros_like(param)
+
+        unit.__dict__["_zero_unused_gradients"] = filler
+    return filler
+
+
 def gather_unit(unit: FSDPUnit) -> None:
     """Gather every parameter of the unit, as FSDP2 does: one all-gather per bucket of
     parameters that can share one (:func:`~fsdp_compile._eager_buckets.bucket_key`; most units: one),

@@ -158,6 +158,7 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
                     output = super().forward(*args, **kwargs)
         finally:
             _eager.post_forward(self._fsdp_unit)
+        _eager.zero_unused_gradients_after_backward(self._fsdp_unit, output)
         return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
     def _get_fsdp_state(self):
@@ -336,12 +337,12 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         reduce-scatter and keeps ``.grad`` ``None``, as in an unsharded model, so
         ranks that disagree issue different collectives. Each rank must still use some
         parameter of the unit's bucket (the router, another expert): a bucket no
-        parameter of which got a gradient on a rank is not reduced there. Eager backward
-        over a shard group of two or more ranks only: a compiled step runs the same graph
-        on every rank (checked on its first run), so a parameter is unused on every rank
-        or on none, and keeps ``.grad`` ``None``; so does an unused parameter on a shard
-        group of one rank, which reduces nothing. (FSDP2 gives both a zero gradient,
-        which an optimizer with momentum or weight decay then steps.)"""
+        parameter of which got a gradient on a rank is not reduced there. Eager: after a
+        synced backward through the unit's forward, an unused parameter has a zero
+        gradient, as FSDP2's (an optimizer with momentum or weight decay then steps it),
+        on a shard group of one rank too. A compiled step runs the same graph on every
+        rank (checked on its first run), so a parameter is unused on every rank or on
+        none; there it keeps ``.grad`` ``None`` (FSDP2: zeros)."""
         for unit in units_in(self, recurse):
             unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 

@@ -39,11 +39,13 @@ class Routed(nn.Module):
 # ---------------------------------------------------------------- on every rank
 
 
-def train_routed(kind: str, use_b: str, reshard: bool, reduce_unused: bool, backend: str | None = None) -> dict:
+def train_routed(
+    kind: str, use_b: str, reshard: bool, reduce_unused: bool, backend: str | None = None, one_rank_shards: bool = False
+) -> dict:
     """AdamW steps of :class:`Routed` sharded by ``kind`` (``"ours"`` / ``"fsdp2"``), the
     experts a unit of their own. ``use_b``: ``"never"``, or ``"rank1"`` (only rank 1 runs
-    expert ``b``). Returns which gradients were ``None`` after the first backward and the
-    full parameters after the last step."""
+    expert ``b``). ``one_rank_shards``: HSDP over (replicate=2, shard=1). Returns which
+    gradients were ``None`` after the first backward and the full parameters after the last step."""
     import torch.distributed as dist
 
     from fsdp_compile.testing import full_parameters
@@ -53,8 +55,13 @@ def train_routed(kind: str, use_b: str, reshard: bool, reduce_unused: bool, back
     fully_shard = fully_shard_of(kind)
     torch.manual_seed(0)
     model = Routed()
-    fully_shard(model.experts, reshard_after_forward=reshard)
-    fully_shard(model)
+    mesh = None
+    if one_rank_shards:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model.experts, reshard_after_forward=reshard, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if reduce_unused:
         model.experts.set_reduce_scatter_unused_params(True)
     run = torch.compile(model, backend=backend) if backend else model
@@ -323,6 +330,19 @@ def test_reduce_scatter_unused_params_trains_ranks_that_use_different_experts(po
     for g, e in zip(got, expected, strict=True):
         assert g["no_grad"] == e["no_grad"] == []
         _close(g["params"], e["params"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
+def test_reduce_scatter_unused_params_gives_zero_gradients_on_a_one_rank_shard_group(pool2, reshard):
+    """upstream's ``test_reduce_scatter_unused_dtensor_param`` (2 ranks): with
+    ``set_reduce_scatter_unused_params(True)`` and a shard group of one rank, an expert no
+    rank runs gets a zero gradient, as FSDP2 reduces zeros for it, and AdamW's weight decay
+    steps it (its gradient stayed ``None``: the parameters then differed from FSDP2's)."""
+    expected = pool2.run(train_routed, "fsdp2", "never", reshard, True, None, True)
+    got = pool2.run(train_routed, "ours", "never", reshard, True, None, True)
+    for g, e in zip(got, expected, strict=True):
+        assert g["no_grad"] == e["no_grad"] == []
+        _close(g["params"], e["params"], rtol=0, atol=0)
 
 
 def test_fsdp2_hints_are_accepted_and_unsupported_methods_raise(pool2):
