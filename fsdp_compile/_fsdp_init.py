@@ -114,30 +114,78 @@ class FSDP2AssertionError(ValueError, AssertionError):
     holds FSDP2's words too."""
 
 
-def _shard_dim(param: nn.Parameter, fqn: str, shard_placement_fn, unit_name: str) -> int:
-    """The dimension ``shard_placement_fn`` (FSDP2's) shards ``param`` on; 0 by default."""
-    placement = None if shard_placement_fn is None or param.ndim == 0 else shard_placement_fn(param)
-    if placement is None:
-        return 0
-    if type(placement).__name__ == "ShardPlacementResult":  # torch 2.15's: a placement with a mesh of its own
-        raise NotImplementedError(
-            f"fully_shard({unit_name}): shard_placement_fn returned a ShardPlacementResult for parameter {fqn!r} (a "
-            "shard mesh of its own, torch 2.15): not supported; shard the parameters that need another mesh (experts) "
-            "in units of their own, fully_shard(experts, mesh=their_mesh), and return Shard(dim) or None here"
-        )
-    if type(placement) is not Shard:
+class ParamPlacement(NamedTuple):
+    """Where ``shard_placement_fn`` puts one parameter: the dimension it is sharded on, and
+    the data-parallel mesh it is sharded over (``None``: the unit's)."""
+
+    shard_dim: int
+    dp_mesh: DataParallelMesh | None = None
+
+
+def _placement(param: nn.Parameter, fqn: str, shard_placement_fn, unit: FSDPUnit, unit_name: str) -> ParamPlacement:
+    """The dimension and mesh ``shard_placement_fn`` (FSDP2's) gives ``param``: ``None`` is
+    ``Shard(0)`` on the unit's mesh; ``Shard(d)``, dim ``d`` there; a ``ShardPlacementResult``
+    (torch's, ``torch.distributed.fsdp._fully_shard._fsdp_common``) its placement (``None``:
+    ``Shard(0)``) over its ``mesh_info``'s mesh (torchtitan's routed experts over ``efsdp``
+    in the block sharded over ``fsdp``), 1-D FSDP or 2-D (replicate, shard) HSDP."""
+    result = None if shard_placement_fn is None or param.ndim == 0 else shard_placement_fn(param)
+    dp_mesh = None
+    if type(result).__name__ == "ShardPlacementResult" and hasattr(result, "mesh_info"):
+        dp_mesh = _own_data_parallel_mesh(result.mesh_info, fqn, unit, unit_name)
+        result = result.placement
+    if result is None:
+        return ParamPlacement(0, dp_mesh)
+    if type(result) is not Shard:
         raise TypeError(
-            f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
-            "return Shard(dim) or None (Shard(0))"
+            f"fully_shard({unit_name}): shard_placement_fn returned {result!r} for parameter {fqn!r}; "
+            "return Shard(dim), None (Shard(0)) or a ShardPlacementResult(placement, mesh_info)"
         )
-    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    dim = result.dim + param.ndim if result.dim < 0 else result.dim
     if not 0 <= dim < param.ndim:
         raise FSDP2AssertionError(
-            f"fully_shard({unit_name}): shard_placement_fn returned {placement!r} for parameter {fqn!r} "
+            f"fully_shard({unit_name}): shard_placement_fn returned {result!r} for parameter {fqn!r} "
             f"of shape {list(param.shape)}; the dimension must be in [-{param.ndim}, {param.ndim}) (FSDP2: Shard dim "
-            f"{placement.dim} is invalid for {param.ndim}D tensor)"
+            f"{result.dim} is invalid for {param.ndim}D tensor)"
         )
-    return dim
+    return ParamPlacement(dim, dp_mesh)
+
+
+def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str) -> DataParallelMesh | None:
+    """The mesh a ``ShardPlacementResult``'s ``mesh_info`` shards one parameter over (``None``
+    where it is the unit's own), refused by name where this library cannot shard over it."""
+    mesh = getattr(mesh_info, "mesh", None)
+    shard_dim, replicate_dim = getattr(mesh_info, "shard_mesh_dim", None), getattr(mesh_info, "replicate_mesh_dim", None)
+    if not isinstance(mesh, DeviceMesh) or shard_dim is None:
+        raise NotImplementedError(
+            f"fully_shard({unit_name}): shard_placement_fn gave parameter {fqn!r} a {type(mesh_info).__name__} without a "
+            "shard dimension; give it an FSDPMeshInfo (FSDP) or HSDPMeshInfo over its own mesh"
+        )
+    if getattr(mesh_info, "dp_mesh_dims", None) is not None or unit.dp_mesh.spmd is not None:
+        raise NotImplementedError(
+            f"fully_shard({unit_name}): parameter {fqn!r} has a shard mesh of its own (ShardPlacementResult) with "
+            "dp_mesh_dims (FSDP2's SPMD mesh), which is not supported; use torchtitan's "
+            'spmd_backend="partial_dtensor" layout (meshes without dp_mesh_dims), or shard those parameters in a '
+            "unit of their own"
+        )
+    if (mesh.ndim, shard_dim, replicate_dim) not in ((1, 0, None), (2, 1, 0)):
+        raise NotImplementedError(
+            f"fully_shard({unit_name}): parameter {fqn!r}'s ShardPlacementResult shards over dim {shard_dim} "
+            f"(replicating over {replicate_dim}) of a {mesh.ndim}-D mesh; a parameter's own mesh must be 1-D (FSDP) or "
+            "2-D (replicate, shard) (HSDP), as fully_shard's mesh"
+        )
+    if mesh.device_type != unit.mesh.device_type:
+        raise ValueError(
+            f"fully_shard({unit_name}): parameter {fqn!r}'s own mesh is on {mesh.device_type!r}, the unit's on "
+            f"{unit.mesh.device_type!r}; build both on one device type"
+        )
+    if mesh == unit.mesh:
+        return None
+    if type(unit.reshard_after_forward) is int:
+        raise NotImplementedError(
+            f"fully_shard({unit_name}): reshard_after_forward={unit.reshard_after_forward} with a shard mesh of its own "
+            f"for parameter {fqn!r} (ShardPlacementResult) is not supported; pass True or False"
+        )
+    return DataParallelMesh(mesh, shard=True)
 
 
 def _default_mesh(modules: list[nn.Module]) -> DeviceMesh:
@@ -196,14 +244,18 @@ class OwnedParam(NamedTuple):
     module_index: int  # which of the unit's modules that is
 
 
-def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit) -> list[OwnedParam]:
-    """Every parameter this unit manages.
+def _collect_owned_params(
+    modules: list[nn.Module], ignored: set, unit: FSDPUnit, shard_placement_fn=None
+) -> tuple[list[OwnedParam], list[ParamPlacement]]:
+    """Every parameter this unit manages, and where ``shard_placement_fn`` places each
+    (:func:`_placement`; a parameter another unit shards already keeps its own).
 
     Skips subtrees already sharded by an earlier (nested) call, or given to torch's
     ``replicate()``; parameters owned by those units but also held here (tied
     weights) are included with their existing FSDPParam, which then serves both units.
     """
-    owned = []
+    owned, placements = [], []
+    unit_name = _unit_name(modules)
     for module_index, root in enumerate(modules):
         stack = [("", root)]
         while stack:
@@ -223,6 +275,9 @@ def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit
                     continue
                 fqn = prefix + name
                 existing = _existing_fsdp_param(mod, name, param)
+                placement = (
+                    ParamPlacement(0) if existing is not None else _placement(param, fqn, shard_placement_fn, unit, unit_name)
+                )
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
                 elif (local_type := _spmd_types_local_type(param)) is not None:
@@ -234,14 +289,15 @@ def _collect_owned_params(modules: list[nn.Module], ignored: set, unit: FSDPUnit
                         "parallelize_module for tensor parallelism"
                     )
                 elif unit.dp_mesh.spmd is not None:
-                    check_spmd_param(param, fqn, unit.dp_mesh.spmd, _unit_name(modules))
+                    check_spmd_param(param, fqn, unit.dp_mesh.spmd, unit_name)
                 elif isinstance(param, DTensor):
-                    check_tensor_parallel_param(param, fqn, unit.mesh, _unit_name(modules))
+                    check_tensor_parallel_param(param, fqn, (placement.dp_mesh or unit.dp_mesh).mesh, unit_name)
                 owned.append(OwnedParam(mod, name, param, fqn, module_index))
+                placements.append(placement)
             for child_name, child in reversed(list(mod._modules.items())):
                 if child is not None:
                     stack.append((f"{prefix}{child_name}.", child))
-    return owned
+    return owned, placements
 
 
 def _spmd_types_local_type(param: torch.Tensor) -> str | None:
@@ -282,12 +338,12 @@ def _check_shareable(existing: FSDPParam, fqn: str, unit: FSDPUnit, modules: lis
         )
 
 
-def _check_param_types(owned: list[OwnedParam], shard_dims: list[int], unit: FSDPUnit) -> None:
+def _check_param_types(owned: list[OwnedParam], placements: list[ParamPlacement], unit: FSDPUnit) -> None:
     """Refuse, by name, complex tensor-parallel parameters, and parameter subclasses this
     unit cannot shard as asked (see ``_low_precision.check_param_type``; parameters sharded
     already or by tensor parallelism are checked where they were)."""
-    dp = unit.dp_mesh
-    for (_, _, param, fqn, _), shard_dim in zip(owned, shard_dims, strict=True):
+    for (_, _, param, fqn, _), (shard_dim, own_mesh) in zip(owned, placements, strict=True):
+        dp = own_mesh or unit.dp_mesh
         if param.is_complex() and isinstance(param, DTensor):
             raise NotImplementedError(
                 f"fully_shard: parameter {fqn!r} is a complex tensor-parallel DTensor ({param.dtype}), which is not "

@@ -64,6 +64,7 @@ from fsdp_compile.runtime.vocabulary import FRAME_UNIT, CollectiveTag, Role
 
 if TYPE_CHECKING:
     from fsdp_compile._fsdp_state import FSDPUnit
+    from fsdp_compile.runtime.process_groups import DataParallelMesh
 
 
 class ParamState(enum.Enum):
@@ -120,11 +121,21 @@ class FSDPParam:
         owner: the first module registering it, and the name it has there.
     """
 
-    def __init__(self, param: nn.Parameter, local_fqn: str, unit: FSDPUnit, module_index: int = 0, shard_dim: int = 0) -> None:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        local_fqn: str,
+        unit: FSDPUnit,
+        module_index: int = 0,
+        shard_dim: int = 0,
+        dp_mesh: DataParallelMesh | None = None,
+    ) -> None:
         self.local_fqn = local_fqn
         self.module_index = module_index  # which of the unit's modules the name is relative to
         self.unit = unit
-        dp = unit.dp_mesh
+        # The mesh it is sharded over: the unit's, or its own (``shard_placement_fn``'s
+        # ``ShardPlacementResult``: torchtitan's routed experts over ``efsdp``).
+        dp = self.dp_mesh = dp_mesh if dp_mesh is not None else unit.dp_mesh
         data_parallel_dims = () if dp.spmd is None else dp.spmd.data_parallel_dims
         tp = self.tensor_parallel = TensorParallelSpec.of(param, data_parallel_dims) if isinstance(param, DTensor) else None
         data = (param if tp is None else param.to_local()).detach()
@@ -184,12 +195,12 @@ class FSDPParam:
     def _first_sharded_param(self, param: nn.Parameter, local: torch.Tensor, ndim: int) -> nn.Parameter:
         """The ``nn.Parameter(DTensor)`` over ``local`` that stands for ``param`` from now on,
         with the attributes users hang on parameters (e.g. ``_no_weight_decay``)."""
-        unit, tp, dp = self.unit, self.tensor_parallel, self.unit.dp_mesh
+        unit, tp, dp = self.unit, self.tensor_parallel, self.dp_mesh
         sharded = ndim != 0 and dp.shards
         if dp.spmd is not None:
-            mesh, placements = spmd_param_layout(dp.spmd, unit.mesh, tp, self.shard_dim, sharded)
+            mesh, placements = spmd_param_layout(dp.spmd, dp.mesh, tp, self.shard_dim, sharded)
         else:
-            mesh = unit.mesh if tp is None else spmd_mesh(unit.mesh, tp)
+            mesh = dp.mesh if tp is None else spmd_mesh(dp.mesh, tp)
             placements = dp.placements(
                 sharded=sharded,
                 shard_dim=self.shard_dim,
@@ -271,7 +282,7 @@ class FSDPParam:
     def _shard(self, data: torch.Tensor, shard_dim: int) -> tuple[ShardLayout | None, torch.Tensor]:
         """This rank's shard of ``data`` and its layout. A tensor subclass with FSDP2's
         all-gather extension, or awaiting it, keeps its subclass (see ``_low_precision``)."""
-        dp = self.unit.dp_mesh
+        dp = self.dp_mesh
         if not self.extension and not self.awaits_extension:
             if self.is_complex:
                 layout, local = _split(torch.view_as_real(data), shard_dim, dp)
@@ -295,7 +306,7 @@ class FSDPParam:
     def refresh_spec(self) -> None:
         """Rebuild :attr:`spec` from the unit's current options (it runs whenever one of ``_fsdp_state.SPEC_OPTIONS`` is written)."""
         unit = self.unit
-        dp = unit.dp_mesh
+        dp = self.dp_mesh
         replicas = 1 if dp.replicate_dim is None else dp.mesh.size(dp.replicate_dim)
         # The dtype gradients are reduced in, FSDP2's: the policy's; else the gradient's
         # (torch 2.13), or the parameter's original one, the gradient upcast (2.15).

@@ -37,7 +37,6 @@ from fsdp_compile._fsdp_init import (
     _default_mesh,
     _reject_unsupported_options,
     _resolve_reshard_size,
-    _shard_dim,
     _unit_name,
     _validate_mesh,
 )
@@ -312,6 +311,12 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         from fsdp_compile.runtime.collectives import PostReduceHook
 
         units = list(units_in(self, recurse=False))
+        if any(p.dp_mesh is not unit.dp_mesh for unit in units for p in unit.params):
+            raise ValueError(
+                f"set_all_reduce_hook on {type(self).__name__}: not supported with multiple param groups (from "
+                "per-param mesh via shard_placement_fn), as FSDP2: the hook would be ambiguous across groups with "
+                "different meshes"
+            )
         if stream is not None and any(unit.dp_mesh.replicate_dim is not None for unit in units):
             raise ValueError("stream cannot be set when using native HSDP")
         if hook is not None and not callable(hook):
@@ -541,32 +546,31 @@ def _shard_as_one_unit(
         mp_policy=mp_policy,
         eager=_eager.EagerState(),
     )
-    owned = _collect_owned_params(modules, ignored_params or set(), unit)
-    shard_dims = [_shard_dim(o.param, o.fqn, shard_placement_fn, _unit_name(modules)) for o in owned]
+    owned, placements = _collect_owned_params(modules, ignored_params or set(), unit, shard_placement_fn)
     unit.update(reshard_after_forward=_resolve_reshard_size(reshard_after_forward, unit.dp_mesh, owned, _unit_name(modules)))
-    _check_param_types(owned, shard_dims, unit)
+    _check_param_types(owned, placements, unit)
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))
 
     # -- nothing below may fail on one rank only --
     if type(unit.reshard_after_forward) is int:
         unit.update(reshard_to=unit.dp_mesh.post_forward_group(unit.reshard_after_forward))
-    _install_params(unit, owned, shard_dims)
+    _install_params(unit, owned, placements)
     for m in modules:
         _make_unit(m, unit)
     return module
 
 
-def _install_params(unit: FSDPUnit, owned: list, shard_dims: list[int]) -> None:
+def _install_params(unit: FSDPUnit, owned: list, placements: list) -> None:
     """Register a sharded parameter for each of ``owned`` in its module: a new
     :class:`FSDPParam` of ``unit``, or the existing one of a parameter another unit (or
     another module of this one) already shards."""
     by_original: dict[int, FSDPParam] = {}
-    for (owner, name, param, fqn, module_index), shard_dim in zip(owned, shard_dims, strict=True):
+    for (owner, name, param, fqn, module_index), (shard_dim, own_mesh) in zip(owned, placements, strict=True):
         fsdp_param = getattr(param, _SHARDED_AS, None)
         if fsdp_param is None:
             fsdp_param = by_original.get(id(param))
         if fsdp_param is None:
-            fsdp_param = FSDPParam(param, fqn, unit, module_index, shard_dim)
+            fsdp_param = FSDPParam(param, fqn, unit, module_index, shard_dim, own_mesh)
             by_original[id(param)] = fsdp_param
             unit.params.append(fsdp_param)
             setattr(param, _SHARDED_AS, fsdp_param)

@@ -141,7 +141,7 @@ def pre_all_gather_arity(fqn: str, local: torch.Tensor) -> int:
 
 def pre_all_gather(fsdp_param: FSDPParam, local: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], object]:
     """The pre hook, called with the signature it declares (:func:`pre_all_gather_arity`)."""
-    mesh = fsdp_param.unit.dp_mesh.shard_mesh
+    mesh = fsdp_param.dp_mesh.shard_mesh
     if fsdp_param.pre_all_gather_arity == 1:
         inputs, metadata = _call_hook(local, "fsdp_pre_all_gather", mesh)
     else:

@@ -292,15 +292,36 @@ def test_spmd_types_parameters_are_refused_by_name(fake_pg, monkeypatch, dp_mesh
     assert type(module) is nn.Sequential and not isinstance(module[0].weight, torch.distributed.tensor.DTensor)
 
 
-def test_a_shard_mesh_of_its_own_from_shard_placement_fn_is_refused_by_name(fake_pg):
-    """torch 2.15's ``shard_placement_fn`` may return a ``ShardPlacementResult`` (a placement
-    with a shard mesh of its own, for experts): refused by name, before any collective,
-    saying what to do instead (a stand-in of the same name on torch 2.13)."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+def test_a_shard_mesh_of_its_own_from_shard_placement_fn_is_refused_where_unsupported(fake_pg):
+    """``shard_placement_fn`` may return torch's ``ShardPlacementResult`` (a placement with a
+    shard mesh of its own: torchtitan's routed experts; trained in ``test_moe_expert_parallel``).
+    What this library cannot shard that way is refused by name before any collective: a mesh
+    info without a shard dim, a 3-D mesh, an int ``reshard_after_forward``; and anything
+    else returned is a ``TypeError``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
 
-        result = ShardPlacementResult.__new__(ShardPlacementResult)
-    except ImportError:
-        result = type("ShardPlacementResult", (), {})()
-    with pytest.raises(NotImplementedError, match=r"ShardPlacementResult for parameter '0.weight'.*units of their own"):
-        fully_shard(nn.Sequential(nn.Linear(4, 4)), shard_placement_fn=lambda p: result)
+    world = init_device_mesh("cpu", (8,))
+    other = init_device_mesh("cpu", (2, 4), mesh_dim_names=("efsdp", "ep"))
+    cube = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+
+    def own(mesh_info, placement=None):
+        return lambda p: ShardPlacementResult(placement=placement, mesh_info=mesh_info)
+
+    with pytest.raises(NotImplementedError, match=r"'0.weight'.*DDPMeshInfo without a shard dimension"):
+        fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=world, shard_placement_fn=own(DDPMeshInfo(world, replicate_mesh_dim=0)))
+    with pytest.raises(NotImplementedError, match=r"'0.weight'.*3-D mesh"):
+        fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=world, shard_placement_fn=own(FSDPMeshInfo(cube, shard_mesh_dim=2)))
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2.*'0.weight'"):
+        fully_shard(
+            nn.Sequential(nn.Linear(4, 4)),
+            mesh=world,
+            reshard_after_forward=2,
+            shard_placement_fn=own(FSDPMeshInfo(other["efsdp"], shard_mesh_dim=0), Shard(1)),
+        )
+    with pytest.raises(TypeError, match=r"returned 'dim0' for parameter '0.weight'"):
+        fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=world, shard_placement_fn=lambda p: "dim0")
+    # The unit's own mesh given back is the default.
+    model = fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=world, shard_placement_fn=own(FSDPMeshInfo(world, shard_mesh_dim=0)))
+    assert model[0].weight.device_mesh == world

@@ -200,9 +200,14 @@ def _experts_mesh():
     return _MESHES["experts"]
 
 
-def build(kind: str) -> MoEDecoder:
+def build(kind: str, layout: str = "units") -> MoEDecoder:
     """The model under seed 0: ``"reference"`` unsharded with every expert local; ``"ours"`` or
-    ``"fsdp2"``: experts on ``ep``, sharded as torchtitan shards them with that kind's ``fully_shard``."""
+    ``"fsdp2"``: experts on ``ep``, sharded as torchtitan shards them with that kind's ``fully_shard``.
+    ``layout``: ``"units"``, the experts a unit of their own over ``efsdp`` inside each block's
+    (torchtitan until its EP > 1 path moved to per-parameter meshes); ``"placement"``, each block
+    one unit whose ``shard_placement_fn`` gives the experts' weights a ``ShardPlacementResult``
+    over ``efsdp`` and the rest ``Shard(0)`` over the 4-rank mesh (torchtitan 0.3's
+    ``apply_fsdp`` with EP > 1); the block then reduces with the divide factor and sums."""
     from tests.models import fully_shard_of
 
     torch.manual_seed(0)
@@ -212,12 +217,36 @@ def build(kind: str) -> MoEDecoder:
     model = MoEDecoder(experts_mesh["ep"])
     shard = fully_shard_of(kind)
     for block in model.layers:
+        if layout == "placement":
+            from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+            from torch.distributed.tensor import Shard
+
+            experts = set(block.moe.experts.parameters())
+            efsdp = FSDPMeshInfo(experts_mesh["efsdp"], shard_mesh_dim=0)
+            dense = FSDPMeshInfo(_world_mesh(), shard_mesh_dim=0)
+
+            def placement(param, experts=experts, efsdp=efsdp, dense=dense):
+                return ShardPlacementResult(placement=Shard(0), mesh_info=efsdp if param in experts else dense)
+
+            shard(block, mesh=_world_mesh(), shard_placement_fn=placement)
+            block.set_gradient_divide_factor(float(WORLD))
+            block.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+            continue
         shard(block.moe.experts, mesh=experts_mesh["efsdp"])
         block.moe.experts.set_gradient_divide_factor(float(WORLD))
         block.moe.experts.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         shard(block)
-    shard(model)
+    shard(model, mesh=_world_mesh())
     return model
+
+
+def _world_mesh():
+    """The 4-rank data-parallel mesh, once per rank process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if "world" not in _MESHES:
+        _MESHES["world"] = init_device_mesh("cpu", (WORLD,))
+    return _MESHES["world"]
 
 
 def _train(model: MoEDecoder, kind: str, backend: str | None) -> dict:
@@ -250,8 +279,8 @@ def train(variant: str) -> dict | None:
     """``variant``: ``"reference"`` (rank 0 only; None elsewhere), ``"fsdp2"``, ``"ours"`` or
     ``"ours:<backend>"`` (compiled), ``"ours:<backend>:gloo"``: compiled with gloo's own
     all-gathers and reduce-scatters instead of our all-to-all transport (and without
-    prefetch: one gloo all-gather in flight at a time, README, Limitations). Adds the
-    parameters' DTensor placements."""
+    prefetch: one gloo all-gather in flight at a time, README, Limitations); a fourth
+    field names :func:`build`'s layout. Adds the parameters' DTensor placements."""
     import contextlib
 
     import torch.distributed as dist
@@ -260,11 +289,11 @@ def train(variant: str) -> dict | None:
     from fsdp_compile.testing._torch_internals import reset_dynamo
 
     reset_dynamo()
-    kind, backend, transport = (variant.split(":") + ["", ""])[:3]
+    kind, backend, transport, layout = (variant.split(":") + ["", "", ""])[:4]
     if kind == "reference" and dist.get_rank() != 0:
         return None
     with config.patch(gloo_all_to_all=False, prefetch_depth=0) if transport == "gloo" else contextlib.nullcontext():
-        model = build(kind)
+        model = build(kind, layout or "units")
         result = _train(model, kind, backend or None)
     placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
     return {**result, "placements": placements}
@@ -355,3 +384,22 @@ def test_expert_parallel_dcp_checkpoint_interchanges_with_fsdp2(pool4, tmp_path,
         assert _gap(result["before"], result["saved"]) > 0.0, rank
         gap = _gap(result["loaded"], result["saved"])
         assert gap == 0.0, (rank, gap)
+
+
+def test_expert_parallel_with_per_parameter_meshes_trains_as_fsdp2_eager_and_compiled(pool4):
+    """torchtitan 0.3's ``apply_fsdp`` with EP > 1: one ``fully_shard`` per block whose
+    ``shard_placement_fn`` returns a ``ShardPlacementResult`` (the routed experts over
+    ``efsdp``, the rest over the 4-rank mesh; refused by name before). Ours eager is bitwise
+    FSDP2 on every rank, with the same placements; compiled, one graph for the 3 steps,
+    bitwise ours eager; both match the unsharded model to fp32 rounding."""
+    fsdp2, ours = _runs(pool4, "fsdp2:::placement"), _runs(pool4, "ours:::placement")
+    compiled = _runs(pool4, "ours:aot_eager_passes:gloo:placement")
+    reference = _runs(pool4, "reference")[0]
+    assert ours[0]["placements"] == fsdp2[0]["placements"]
+    assert ours[0]["placements"]["layers.0.moe.experts.w1"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
+    assert ours[0]["placements"]["layers.0.attention.wq.weight"] == ("Shard(dim=0)",)
+    for rank in range(WORLD):
+        assert max_gap(ours[rank], fsdp2[rank]) == 0.0, rank
+        assert compiled[rank]["graphs"] == 1, (rank, compiled[rank]["graphs"])
+        assert max_gap(compiled[rank], ours[rank]) == 0.0, rank
+    assert max_gap(ours[0], reference) < 1e-5
