@@ -241,10 +241,11 @@ def check_spmd_param(param: nn.Parameter, fqn: str, spmd: SpmdMesh, unit_name: s
             "distribute_module(module, mesh) or distribute_tensor(p, mesh, placements)), as in FSDP2 (FSDP2: parameters "
             "must be DTensors)"
         )
-    if param.device_mesh != mesh:
+    if param.device_mesh is not mesh:  # the very object, as FSDP2 (an equal mesh is another mesh there)
+        what = "another DeviceMesh equal to" if param.device_mesh == mesh else "a DTensor on a mesh other than"
         raise ValueError(
-            f"{call}: parameter {fqn!r} is a DTensor on mesh {_describe(param.device_mesh)}, not on the mesh "
-            f"passed to fully_shard ({_describe(mesh)}); distribute it on that mesh (FSDP2: the same mesh)"
+            f"{call}: parameter {fqn!r} is {what} the one passed to fully_shard ({_describe(param.device_mesh)} vs "
+            f"{_describe(mesh)}); distribute it on that very mesh object (FSDP2: parameters must be on the same mesh)"
         )
     for dim, placement in enumerate(param.placements):
         if dim in data_parallel_dims and not isinstance(placement, Replicate):

@@ -289,6 +289,10 @@ def test_spmd_mesh_bad_input_is_named_before_any_collective(fake_pg):
         fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     with pytest.raises(ValueError, match=r"mesh="):
         fully_shard(linear([Replicate(), Replicate()]), dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    other = _fake_mesh()  # equal, another object: FSDP2 wants the very mesh the parameters are on
+    assert other == mesh and other is not mesh
+    with pytest.raises(ValueError, match=r"'weight' is another DeviceMesh equal to the one passed.*same mesh"):
+        fully_shard(linear([Replicate(), Replicate()]), mesh=other, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     for size in (1, 2, 4):  # any int, as FSDP2 (even the shard group's size, which 1-D meshes take as True)
         with pytest.raises(NotImplementedError, match=r"Linear.*reshard_after_forward as int is not yet supported with SPMD mesh"):
             fully_shard(linear([Replicate(), Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=size)

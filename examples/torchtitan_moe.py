@@ -1,0 +1,193 @@
+"""torchtitan's DeepSeek-V3 MoE debug model with expert parallelism, sharded by torchtitan's
+own parallelize function, with our ``fully_shard`` switched in by one line, against
+torch's FSDP2 in the same run.
+
+    pip install torchtitan==0.3.0      # not a dependency of this project, not run by CI
+    python examples/torchtitan_moe.py [--steps 4] [--compile none|model] [--backend inductor|aot_eager]
+
+On 4 CPU ranks (gloo, started here), for each of FSDP2 and ours: torchtitan's deepseek_v3
+``debugmodel`` (6 layers, the first dense, then 5 MoE layers of 8 routed experts, top-3,
+and 2 shared experts; dim 256, vocabulary 2048, MLA with flex attention) built on the
+meta device, then parallelized by torchtitan's ``parallelize_deepseekv3`` with
+``ParallelDims(dp_shard=4, ep=2)`` (the ``partial_dtensor`` backend, torchtitan's
+``fsdp``/``efsdp``/``ep`` meshes built by its ``build_mesh``): its ``model.parallelize``
+shards the routed experts over the ``ep`` mesh (``Shard(0)`` DTensors, all-to-all token
+dispatch by ``AllToAllTokenDispatcher``), then its ``apply_fsdp_to_decoder`` calls
+``fully_shard`` on the embedding, ``[norm, lm_head]``, each block and the root, each MoE
+block with a ``shard_placement_fn`` returning torch's ``ShardPlacementResult``: the
+routed experts over the ``efsdp`` mesh (size 2), everything else over ``fsdp`` (size
+4); gradient division off, explicit forward/backward prefetching, as torchtitan sets
+them for EP. Materialized with ``to_empty`` and torchtitan's ``init_states``, then trained
+with AdamW on random tokens (a different batch per rank), the loss summed over tokens
+and divided by the global token count, as torchtitan's trainer does. ``--compile
+model``: ``torch.compile`` of the whole model after sharding (``--backend``). Prints
+both losses per step and fails if eager losses are not bitwise equal.
+
+The switch, for a user of torchtitan::
+
+    import fsdp_compile, torchtitan.distributed.fsdp
+    torchtitan.distributed.fsdp.fully_shard = fsdp_compile.fully_shard
+
+What is shimmed: FlexAttention has no backward on CPU, so its call
+(``FlexAttention.compiled_flex_attn``) runs causal SDPA instead: the same attention for
+the one-document-per-row mask used here (``get_attention_masks`` is still called, as
+torchtitan's trainer does). torchtitan picks its device type at import
+(``torchtitan.tools.utils.device_type``, ``"cuda"`` when no accelerator is found), so
+``torchtitan.distributed.parallel_dims.device_type`` is set to ``"cpu"`` for
+``build_mesh``'s ``init_device_mesh``. torchtitan's model, parallelize, EP, FSDP and init
+code run as they are (the experts' ``torch._grouped_mm`` in bf16 and the all-to-all
+dispatch both run on CPU/gloo); its trainer (data loader, checkpointer, metrics, and the
+MoE load-balancing optimizer hook that updates ``expert_bias_E``) is replaced by the loop
+here; its trainer's ``set_spmd_backend`` call is made here. Both sides set
+``set_force_sum_reduction_for_comms(True)`` on every ``FSDPModule`` (FSDP2's
+reduce-scatter with a divide factor of 1.0 is a ``PREMUL_SUM``, which gloo does not
+have). torchtitan 0.3.0 imports ``triton`` at import: ``pip install triton`` on a
+CPU-only machine too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD_SIZE, EP = 4, 2
+
+
+def _causal_sdpa_for_flex_attention() -> None:
+    """The CPU shim (see the module docstring)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    def causal_sdpa(
+        q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None, kernel_options=None
+    ):
+        assert score_mod is None and (return_aux is None or not return_aux.lse)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
+
+    FlexAttention.compiled_flex_attn = staticmethod(causal_sdpa)
+
+
+def _build(kind: str, compile_mode: str, backend: str):
+    import torchtitan.distributed.fsdp as titan_fsdp
+    import torchtitan.distributed.parallel_dims as titan_parallel_dims
+    import torchtitan.distributed.utils as titan_dist_utils
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.deepseek_v3 import model_registry, parallelize_deepseekv3
+
+    import fsdp_compile
+
+    _causal_sdpa_for_flex_attention()
+    titan_parallel_dims.device_type = "cpu"  # the CPU shim (see the module docstring)
+    # The one-line switch (and back, for the FSDP2 run in the same process).
+    titan_fsdp.fully_shard = fsdp_compile.fully_shard if kind == "ours" else torch_fully_shard
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=WORLD_SIZE, expert_parallel_degree=EP, spmd_backend="partial_dtensor"
+    )
+    titan_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as torchtitan's trainer does
+    parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
+    parallel_dims.build_mesh()
+    config = model_registry("debugmodel", attn_backend="flex").model
+    with torch.device("meta"):
+        model = config.build()
+    parallelize_deepseekv3(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+        parallelism=parallelism,
+        compile_config=CompileConfig(enable=False),
+        ac_config=None,
+        dump_folder=tempfile.gettempdir(),
+    )
+    # FSDP2's factor-1.0 reduce-scatter is a PREMUL_SUM, which gloo lacks; ours accepts the
+    # same call, so both sides reduce by SUM.
+    for module in model.modules():
+        if isinstance(module, FSDPModule) or hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    return (torch.compile(model, backend=backend) if compile_mode == "model" else model), model
+
+
+def _train(kind: str, compile_mode: str, backend: str, steps: int) -> dict:
+    torch._dynamo.reset()
+    run, model = _build(kind, compile_mode, backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4)
+    losses, times = [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+        tokens = torch.randint(0, 2048, (2, 65), generator=gen)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        positions = torch.arange(inputs.shape[1]).expand_as(inputs)  # one document per row
+        masks = model.get_attention_masks(positions=positions)  # torchtitan's flex mask, as its trainer builds it
+        start = time.perf_counter()
+        logits = run(inputs, positions, masks)
+        global_tokens = torch.tensor(labels.numel(), dtype=torch.float32)
+        dist.all_reduce(global_tokens)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return {"losses": losses, "first_step_s": times[0], "steady_s": sorted(times[1:])[len(times[1:]) // 2] if steps > 1 else None}
+
+
+def _rank_main(rank: int, port: int, kind: str, compile_mode: str, backend: str, steps: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    result = _train(kind, compile_mode, backend, steps)
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--compile", choices=("none", "model"), default="none")
+    p.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    r = {}
+    kinds = ("fsdp2", "ours")
+    for i, kind in enumerate(kinds):
+        # Each in new processes with an empty Inductor cache: neither compiles from the other's.
+        with tempfile.TemporaryDirectory(prefix=f"torchtitan_moe_{kind}_") as cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+            queue = ctx.SimpleQueue()
+            port = 29000 + (os.getpid() + i) % 1000
+            mp.start_processes(
+                _rank_main,
+                args=(port, kind, args.compile, args.backend, args.steps, queue),
+                nprocs=WORLD_SIZE,
+                start_method="spawn",
+            )
+            r[kind] = queue.get()
+    backend = f", backend={args.backend}" if args.compile != "none" else ""
+    print(f"\ntorchtitan deepseek_v3 debugmodel, {WORLD_SIZE} gloo ranks, dp_shard={WORLD_SIZE}, ep={EP}, compile={args.compile}{backend}\n")
+    print("| step | FSDP2 loss | ours loss | difference |\n|---|---|---|---|")
+    for step, (a, b) in enumerate(zip(r["fsdp2"]["losses"], r["ours"]["losses"], strict=True)):
+        print(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
+    for kind in kinds:
+        steady = r[kind]["steady_s"]
+        print(f"{kind}: first step {r[kind]['first_step_s']:.2f} s, steady step {steady:.3f} s" if steady else kind)
+    if args.compile == "none":
+        assert r["fsdp2"]["losses"] == r["ours"]["losses"], "eager losses differ from FSDP2's"
+
+
+if __name__ == "__main__":
+    main()
