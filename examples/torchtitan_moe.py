@@ -3,7 +3,7 @@ own parallelize function, with our ``fully_shard`` switched in by one line, agai
 torch's FSDP2 in the same run.
 
     pip install torchtitan==0.3.0      # not a dependency of this project, not run by CI
-    python examples/torchtitan_moe.py [--steps 4] [--compile none|model] [--backend inductor|aot_eager]
+    python examples/torchtitan_moe.py [--steps 4] [--compile none|model|blocks] [--backend inductor|aot_eager]
 
 On 4 CPU ranks (gloo, started here), for each of FSDP2 and ours: torchtitan's deepseek_v3
 ``debugmodel`` (6 layers, the first dense, then 5 MoE layers of 8 routed experts, top-3,
@@ -20,7 +20,10 @@ routed experts over the ``efsdp`` mesh (size 2), everything else over ``fsdp`` (
 them for EP. Materialized with ``to_empty`` and torchtitan's ``init_states``, then trained
 with AdamW on random tokens (a different batch per rank), the loss summed over tokens
 and divided by the global token count, as torchtitan's trainer does. ``--compile
-model``: ``torch.compile`` of the whole model after sharding (``--backend``). Prints
+model``: ``torch.compile`` of the whole model after sharding (``--backend``), with
+``capture_scalar_outputs`` on as torchtitan's ``apply_compile`` sets it for the
+data-dependent EP split sizes; ``blocks``: torchtitan's own ``apply_compile`` (through its
+``CompileConfig``), each block compiled with ``fullgraph=True`` before sharding. Prints
 both losses per step and fails if eager losses are not bitwise equal.
 
 The switch, for a user of torchtitan::
@@ -51,6 +54,7 @@ import argparse
 import os
 import tempfile
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -95,6 +99,9 @@ def _build(kind: str, compile_mode: str, backend: str):
     parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
     parallel_dims.build_mesh()
     config = model_registry("debugmodel", attn_backend="flex").model
+    # As torchtitan's trainer does (it passes its whole config; only ``parallelism`` is read
+    # here): sets each module config's sharding config, the EP placements of the experts.
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
         model = config.build()
     parallelize_deepseekv3(
@@ -102,7 +109,8 @@ def _build(kind: str, compile_mode: str, backend: str):
         parallel_dims=parallel_dims,
         training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
         parallelism=parallelism,
-        compile_config=CompileConfig(enable=False),
+        # ``blocks``: torchtitan's own ``apply_compile`` (each block, ``fullgraph=True``, before FSDP).
+        compile_config=CompileConfig(enable=compile_mode == "blocks", components=["model"], backend=backend),
         ac_config=None,
         dump_folder=tempfile.gettempdir(),
     )
@@ -115,7 +123,12 @@ def _build(kind: str, compile_mode: str, backend: str):
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_states(buffer_device=torch.device("cpu"))
-    return (torch.compile(model, backend=backend) if compile_mode == "model" else model), model
+    if compile_mode != "model":
+        return model, model
+    # As torchtitan's ``apply_compile`` sets it: the EP dispatch's split sizes (``tolist``) are
+    # data-dependent.
+    torch._dynamo.config.capture_scalar_outputs = True
+    return torch.compile(model, backend=backend), model
 
 
 def _train(kind: str, compile_mode: str, backend: str, steps: int) -> dict:
@@ -157,7 +170,7 @@ def _rank_main(rank: int, port: int, kind: str, compile_mode: str, backend: str,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--compile", choices=("none", "model"), default="none")
+    p.add_argument("--compile", choices=("none", "model", "blocks"), default="none")
     p.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -178,7 +191,9 @@ def main() -> None:
             )
             r[kind] = queue.get()
     backend = f", backend={args.backend}" if args.compile != "none" else ""
-    print(f"\ntorchtitan deepseek_v3 debugmodel, {WORLD_SIZE} gloo ranks, dp_shard={WORLD_SIZE}, ep={EP}, compile={args.compile}{backend}\n")
+    print(
+        f"\ntorchtitan deepseek_v3 debugmodel, {WORLD_SIZE} gloo ranks, dp_shard={WORLD_SIZE}, ep={EP}, compile={args.compile}{backend}\n"
+    )
     print("| step | FSDP2 loss | ours loss | difference |\n|---|---|---|---|")
     for step, (a, b) in enumerate(zip(r["fsdp2"]["losses"], r["ours"]["losses"], strict=True)):
         print(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
