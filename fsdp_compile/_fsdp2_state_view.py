@@ -185,7 +185,8 @@ class _UnitStateView:
     ``_fsdp_param_groups``, ``_root_post_backward_final_callback``, ``_comm_ctx``),
     ``register_fsdp_forward_method`` (``_pre_forward``, ``_post_forward``) and
     ``share_comm_ctx`` (``_comm_ctx``, ``_lazy_init``); and, read-only, what code written
-    against FSDP2 inspects (``_is_root``, ``_fsdp_param_group``). Any other attribute raises."""
+    against FSDP2 inspects (``_is_root``, ``_fsdp_param_group``, ``_modules_to_run_forward``). Any other attribute
+    raises."""
 
     def __init__(self, module: nn.Module, unit: FSDPUnit) -> None:
         self._module = module
@@ -206,6 +207,12 @@ class _UnitStateView:
         """Whether the unit is the outermost sharded one (FSDP2 decides it at lazy init; here
         ``fully_shard`` of an enclosing module decides it)."""
         return self._unit.is_root
+
+    @property
+    def _modules_to_run_forward(self) -> set:
+        """FSDP2's (torch 2.15) modules of a grouped unit still to run in the current forward:
+        none outside a forward (a unit here has no partial-forward state to finish)."""
+        return set()
 
     @property
     def _fsdp_param_group(self) -> _ParamGroupView | None:
