@@ -179,14 +179,18 @@ class FSDPParam:
         #: Every (module, name) that registers :attr:`sharded_param` (several for a shared weight).
         self.registrations: list[tuple[nn.Module, str]] = []
         self.refresh_spec()
+        self._choose_read_paths()
+
+    def _choose_read_paths(self) -> None:
+        """Which shortcuts a read of this parameter may take (set once, at ``__init__``)."""
+        moved_dim = bool(self.shard_dim) and self.layout is not None
+        tp = self.tensor_parallel
         # Whether the gathered tensor (dim 0 first) is what the module reads: no dim moved
         # back, no tensor-parallel DTensor around it (see :meth:`_for_compute`).
-        self._reads_gathered_as_is = (not shard_dim or self.layout is None) and tp is None and not self.is_complex
+        self._reads_gathered_as_is = not moved_dim and tp is None and not self.is_complex
         # Whether a traced gather reads :attr:`local_view` itself: nothing to move to the
         # compute device, no shard dim to move first.
-        self._reads_local_view_as_is = (
-            not unit.devices.offload_to_cpu and (not shard_dim or self.layout is None) and not self.is_complex
-        )
+        self._reads_local_view_as_is = not self.unit.devices.offload_to_cpu and not moved_dim and not self.is_complex
         # Whether a traced read of this trainable parameter needs nothing but
         # :attr:`local_view` (see [Note: traced reads without the DTensor]).
         plain = not self.extension and not self.awaits_extension

@@ -471,14 +471,21 @@ def fully_shard(
     """
     spmd = None
     if dp_mesh_dims is not None:
-        if type(reshard_after_forward) is int:  # (before any collective, as FSDP2)
-            raise NotImplementedError(
-                f"fully_shard({_unit_name(_as_module_list(module))}): reshard_after_forward as int is not yet "
-                "supported with SPMD mesh (dp_mesh_dims); pass True or False"
-            )
-        mesh, spmd = data_parallel_sub_mesh(mesh, dp_mesh_dims, _unit_name(_as_module_list(module)))
+        mesh, spmd = _spmd_sub_mesh(module, mesh, dp_mesh_dims, reshard_after_forward)
     options = (reshard_after_forward, shard_placement_fn, mp_policy, offload_policy, ignored_params)
     return _shard_as_one_unit(module, mesh, *options, shard=True, spmd=spmd)
+
+
+def _spmd_sub_mesh(module, mesh, dp_mesh_dims, reshard_after_forward):
+    """The data-parallel mesh ``dp_mesh_dims`` names in ``mesh`` and the SPMD layout, after
+    FSDP2's refusal of an int ``reshard_after_forward`` there (before any collective)."""
+    name = _unit_name(_as_module_list(module))
+    if type(reshard_after_forward) is int:
+        raise NotImplementedError(
+            f"fully_shard({name}): reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims); "
+            "pass True or False"
+        )
+    return data_parallel_sub_mesh(mesh, dp_mesh_dims, name)
 
 
 def _fsdp2_state(module: nn.Module):
