@@ -36,12 +36,13 @@ def _replica_groups():
     return mesh, replicas
 
 
-def train_with_hook(kind: str, layout: str, backend: str | None, mixed: bool) -> dict:
+def train_with_hook(kind: str, layout: str, backend: str | None, mixed: bool, accumulate: bool = False) -> dict:
     """Two linear layers and the root, each a unit with the same hook; ``STEPS`` Adam steps on
     inputs that differ by rank. ``layout``: ``"replicas"`` (a one-rank shard group per rank,
     the hook averages over both ranks by hand: gloo has no average), ``"fsdp"`` (2 ranks, the
     hook scales by 0.5 and adds 1e-3), ``"hsdp"`` ((replicate=2, shard=1), the same hook).
-    ``mixed``: bf16 parameters, fp32 reduction."""
+    ``mixed``: bf16 parameters, fp32 reduction. ``accumulate``: each step two micro-batches, the
+    first with gradient sync off (the hook runs once per unit, on the synced one's reduction)."""
     from fsdp_compile.testing import full_parameters
     from tests.test_fsdp2_contract_more import _mesh
 
@@ -79,6 +80,10 @@ def train_with_hook(kind: str, layout: str, backend: str | None, mixed: bool) ->
     losses, calls_per_step = [], []
     for _ in range(STEPS):
         calls.clear()
+        if accumulate:
+            model.set_requires_gradient_sync(False)
+            step_model(torch.randn(4, 8, generator=g)).float().square().mean().backward()
+            model.set_requires_gradient_sync(True)
         loss = step_model(torch.randn(4, 8, generator=g)).float().square().mean()
         loss.backward()
         calls_per_step.append(list(calls))
@@ -160,3 +165,23 @@ def test_all_reduce_hook_refuses_what_fsdp2_refuses(pool2):
     assert got["hsdp_stream"] == ("ValueError", "stream cannot be set when using native HSDP")
     assert got["not_callable"][0] == "TypeError" and "Linear" in got["not_callable"][1]
     assert got["removed"] is True
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "replicas"])
+def test_all_reduce_hook_with_gradient_accumulation_matches_fsdp2(pool2, layout):
+    """Micro-batches without sync reduce nothing and call no hook; the synced one reduces the
+    accumulated sum and calls the hook once per unit (eager, bitwise FSDP2; compiled, the
+    same training to fp32 rounding, one graph per sync mode)."""
+    expected = pool2.run(train_with_hook, "fsdp2", layout, None, False, True)
+    got = pool2.run(train_with_hook, "ours", layout, None, False, True)
+    compiled = pool2.run(train_with_hook, "ours", layout, "aot_eager", False, True)
+    for rank, (g, c, e) in enumerate(zip(got, compiled, expected, strict=True)):
+        assert len(e["calls"][0]) == 2, e["calls"]
+        if layout == "fsdp":
+            assert g["calls"] == e["calls"], (rank, g["calls"], e["calls"])
+        assert [len(x) for x in c["calls"]] == [4] * STEPS, c["calls"]
+        assert torch.equal(g["losses"], e["losses"]), rank
+        for name, value in e["params"].items():
+            assert torch.equal(g["params"][name], value), (rank, name)
+            torch.testing.assert_close(c["params"][name], value, rtol=1e-5, atol=1e-6)
+        assert c["graphs"] == 2, c["graphs"]
