@@ -102,11 +102,18 @@ def _build(kind: str, compile_mode: str, ac: str = "none"):
 def _train(kind: str, compile_mode: str, steps: int, ac: str = "none") -> dict:
     torch._dynamo.reset()
     run, model = _build(kind, compile_mode, ac)
+    return train_steps(run, model, steps)
+
+
+def train_steps(run, model, steps: int, vocab: int = 2048) -> dict:
+    """``steps`` AdamW steps of ``run`` (``model`` or its compiled wrapper) on random tokens,
+    a different batch per rank, the loss summed over tokens and divided by the global token
+    count, as torchtitan's trainer does: the losses (summed over ranks) and step times."""
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4)
     losses, times = [], []
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-        tokens = torch.randint(0, 2048, (2, 65), generator=gen)
+        tokens = torch.randint(0, vocab, (2, 65), generator=gen)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(inputs.shape[1]).expand_as(inputs)  # one document per row
         masks = model.get_attention_masks(positions=positions)  # torchtitan's flex mask, as its trainer builds it
@@ -157,7 +164,9 @@ def main() -> None:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             queue = ctx.SimpleQueue()
             port = 29000 + (os.getpid() + i) % 1000
-            mp.start_processes(_rank_main, args=(port, kind, args.compile, args.steps, args.ac, queue), nprocs=2, start_method="spawn")
+            mp.start_processes(
+                _rank_main, args=(port, kind, args.compile, args.steps, args.ac, queue), nprocs=2, start_method="spawn"
+            )
             r[kind] = queue.get()
     print(f"\ntorchtitan llama3 debugmodel, 2 gloo ranks, compile={args.compile}, ac={args.ac}\n")
     print("| step | FSDP2 loss | ours loss | difference |\n|---|---|---|---|")

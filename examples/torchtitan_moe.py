@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 import types
 
 import torch
@@ -61,19 +60,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD_SIZE, EP = 4, 2
-
-
-def _causal_sdpa_for_flex_attention() -> None:
-    """The CPU shim (see the module docstring)."""
-    from torchtitan.models.common.attention import FlexAttention
-
-    def causal_sdpa(
-        q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None, kernel_options=None
-    ):
-        assert score_mod is None and (return_aux is None or not return_aux.lse)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa), None
-
-    FlexAttention.compiled_flex_attn = staticmethod(causal_sdpa)
 
 
 def _build(kind: str, compile_mode: str, backend: str):
@@ -85,6 +71,7 @@ def _build(kind: str, compile_mode: str, backend: str):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.deepseek_v3 import model_registry, parallelize_deepseekv3
+    from torchtitan_llama3 import _causal_sdpa_for_flex_attention  # (this folder: the same shim)
 
     import fsdp_compile
 
@@ -132,29 +119,11 @@ def _build(kind: str, compile_mode: str, backend: str):
 
 
 def _train(kind: str, compile_mode: str, backend: str, steps: int) -> dict:
+    from torchtitan_llama3 import train_steps  # (this folder: the same training loop)
+
     torch._dynamo.reset()
     run, model = _build(kind, compile_mode, backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=8e-4)
-    losses, times = [], []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-        tokens = torch.randint(0, 2048, (2, 65), generator=gen)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        positions = torch.arange(inputs.shape[1]).expand_as(inputs)  # one document per row
-        masks = model.get_attention_masks(positions=positions)  # torchtitan's flex mask, as its trainer builds it
-        start = time.perf_counter()
-        logits = run(inputs, positions, masks)
-        global_tokens = torch.tensor(labels.numel(), dtype=torch.float32)
-        dist.all_reduce(global_tokens)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item())
-    return {"losses": losses, "first_step_s": times[0], "steady_s": sorted(times[1:])[len(times[1:]) // 2] if steps > 1 else None}
+    return train_steps(run, model, steps)
 
 
 def _rank_main(rank: int, port: int, kind: str, compile_mode: str, backend: str, steps: int, queue) -> None:

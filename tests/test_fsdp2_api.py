@@ -639,23 +639,6 @@ def test_torchs_replicate_composes_with_our_units_as_with_fsdp2s(pool2, layout):
             assert torch.equal(ours["local"][name], fsdp2["local"][name]), name
 
 
-class _ChunkedHead(nn.Module):
-    """torchtitan's chunked loss: the head run per chunk of the body's output."""
-
-    def __init__(self, tie: bool) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 8)
-        self.body = nn.Linear(8, 8, bias=False)
-        self.norm = nn.RMSNorm(8)
-        self.head = nn.Linear(8, 32, bias=False)
-        if tie:
-            self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
-        h = self.norm(self.body(self.embed(tokens)))
-        return h if skip_head else self.head(h)
-
-
 def fsdp2_private_state(kind: str, tie: bool) -> dict:
     """What code written against FSDP2 reads of its private state (upstream's
     ``test_fully_shard_is_root``, ``test_fully_shard_module_and_param_fqns`` and
@@ -666,18 +649,11 @@ def fsdp2_private_state(kind: str, tie: bool) -> dict:
     import torch.distributed as dist
 
     from fsdp_compile.testing import full_parameters
+    from tests.test_fsdp2_compose_more import VOCAB, _chunked_model, shard_chunked
 
     fully_shard = fully_shard_of(kind)
-    torch.manual_seed(0)
-    model = _ChunkedHead(tie)
-    if tie:
-        fully_shard(model.body)
-        fully_shard([model.embed, model.norm, model.head], reshard_after_forward=False)
-    else:
-        fully_shard(model.embed)
-        fully_shard(model.body)
-        fully_shard([model.norm, model.head], reshard_after_forward=False)
-    fully_shard(model)
+    model = _chunked_model(tie)
+    shard_chunked(model, fully_shard, tie, head_reshard=False)
     state = fully_shard.state(model)
     state._lazy_init()
     modules = {"root": model, "embed": model.embed, "body": model.body, "norm": model.norm, "head": model.head}
@@ -700,7 +676,7 @@ def fsdp2_private_state(kind: str, tie: bool) -> dict:
         )
     head_group = model.head._get_fsdp_state()._fsdp_param_group
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     gathered, params = [], []
     for _ in range(2):
         h = model(tokens, skip_head=True)

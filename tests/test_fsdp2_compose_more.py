@@ -62,6 +62,19 @@ def _chunked_model(tie: bool) -> ChunkedHeadModel:
     return ChunkedHeadModel(tie)
 
 
+def shard_chunked(model: ChunkedHeadModel, fully_shard, tie: bool, head_reshard: bool) -> None:
+    """Upstream's (and torchtitan's) units: the body; the head with the norm (and the tied
+    embedding), resharding after forward as ``head_reshard`` says; the embedding; the root."""
+    if tie:
+        fully_shard(model.body)
+        fully_shard([model.embed, model.norm, model.head], reshard_after_forward=head_reshard)
+    else:
+        fully_shard(model.embed)
+        fully_shard(model.body)
+        fully_shard([model.norm, model.head], reshard_after_forward=head_reshard)
+    fully_shard(model)
+
+
 def _run_chunked(model: nn.Module, tokens: torch.Tensor, n_chunks: int, head_grad) -> dict:
     """Upstream's ``_run_chunked``: a forward that skips the head, the head called by itself
     on each chunk of the detached activations (each chunk's backward), then the activations'
@@ -159,14 +172,7 @@ def partial_group_reshard_toggle(kind: str, tie: bool, initial_reshard: bool) ->
     fully_shard = fully_shard_of(kind)
     model = _chunked_model(tie)
     ref = _chunked_model(tie)
-    if tie:
-        fully_shard(model.body)
-        fully_shard([model.embed, model.norm, model.head], reshard_after_forward=initial_reshard)
-    else:
-        fully_shard(model.embed)
-        fully_shard(model.body)
-        fully_shard([model.norm, model.head], reshard_after_forward=initial_reshard)
-    fully_shard(model)
+    shard_chunked(model, fully_shard, tie, initial_reshard)
     opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     (tokens,) = _tokens()
     chunk_ags, no_grad, losses, ref_losses = [], [], [], []
