@@ -150,6 +150,24 @@ def _placement(param: nn.Parameter, fqn: str, shard_placement_fn, unit: FSDPUnit
     return ParamPlacement(dim, dp_mesh)
 
 
+def check_one_mesh_per_group(placements: list[ParamPlacement], unit: FSDPUnit, unit_name: str) -> None:
+    """Refuse, as FSDP2, two different meshes over one shard group in a unit (the unit's and a
+    ``ShardPlacementResult``'s, or two of those): their parameters' collectives would be one
+    group's, their ``DTensor``s laid out on different meshes."""
+    meshes = {unit.dp_mesh.shard_group_name: unit.dp_mesh.mesh}
+    for placement in placements:
+        own = placement.dp_mesh
+        if own is None:
+            continue
+        seen = meshes.setdefault(own.shard_group_name, own.mesh)
+        if seen != own.mesh:
+            raise ValueError(
+                f"fully_shard({unit_name}): two meshes over one shard group, {seen} and {own.mesh}; give the "
+                "parameters on that group one mesh (FSDP2: Params sharing the same process group must use the same "
+                "FSDPMeshInfo object)"
+            )
+
+
 def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str) -> DataParallelMesh | None:
     """The mesh a ``ShardPlacementResult``'s ``mesh_info`` shards one parameter over (``None``
     where it is the unit's own), refused by name where this library cannot shard over it."""

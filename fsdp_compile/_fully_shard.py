@@ -39,6 +39,7 @@ from fsdp_compile._fsdp_init import (
     _resolve_reshard_size,
     _unit_name,
     _validate_mesh,
+    check_one_mesh_per_group,
 )
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import (
@@ -554,6 +555,7 @@ def _shard_as_one_unit(
         eager=_eager.EagerState(),
     )
     owned, placements = _collect_owned_params(modules, ignored_params or set(), unit, shard_placement_fn)
+    check_one_mesh_per_group(placements, unit, _unit_name(modules))
     unit.update(reshard_after_forward=_resolve_reshard_size(reshard_after_forward, unit.dp_mesh, owned, _unit_name(modules)))
     _check_param_types(owned, placements, unit)
     _check_same_params_on_all_ranks(owned, mesh, _unit_name(modules))

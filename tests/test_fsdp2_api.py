@@ -721,3 +721,67 @@ def test_fsdp2_private_state_reads_and_the_chunked_loss_toggle_match_fsdp2(pool2
         assert all(v is None or v == set() for v in e["to_run"].values()), e["to_run"]  # (None: torch 2.13)
         for step_got, step_expected in zip(g["params"], e["params"], strict=True):
             _close(step_got, step_expected, rtol=1e-6, atol=1e-7)
+
+
+def train_with_own_meshes(kind: str, backend: str | None) -> dict:
+    """An MLP sharded as one unit over both ranks, except its first layer's weight, which
+    ``shard_placement_fn`` gives a mesh of its own: HSDP over (replicate=2, shard=1), ``Shard(1)``.
+    3 AdamW steps; and what another mesh over the unit's group raises."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    from fsdp_compile.testing import full_parameters
+    from tests.models import compile_counting_graphs
+
+    fully_shard = fully_shard_of(kind)
+    world = init_device_mesh("cpu", (2,))
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    first_weight = model[0].weight
+
+    def placement(param):
+        if param is first_weight:
+            return ShardPlacementResult(Shard(1), HSDPMeshInfo(hsdp, shard_mesh_dim=1, replicate_mesh_dim=0))
+        return None
+
+    try:
+        fully_shard(nn.Linear(4, 4), mesh=world, shard_placement_fn=lambda p: ShardPlacementResult(None, FSDPMeshInfo(other, 0)))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    fully_shard(model, mesh=world, shard_placement_fn=placement)
+    meshes = {n: (tuple(p.device_mesh.shape), tuple(map(repr, p.placements))) for n, p in model.named_parameters()}
+    run, counter = compile_counting_graphs(model, backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        loss = run(torch.randn(4, 8, generator=gen)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    graphs = counter and counter.frame_count
+    return {"meshes": meshes, "losses": torch.stack(losses), "params": full_parameters(model), "graphs": graphs, "refused": refused}
+
+
+def test_parameters_with_meshes_of_their_own_train_as_fsdp2(pool2):
+    """``ShardPlacementResult`` with an HSDP mesh (``Shard(1)``) and another 1-D mesh inside a
+    unit sharded over both ranks: the same placements as FSDP2's, eager bitwise FSDP2, compiled
+    one graph matching it to fp32 rounding."""
+    expected = pool2.run(train_with_own_meshes, "fsdp2", None)
+    for backend in (None, "aot_eager"):
+        for rank, (g, e) in enumerate(zip(pool2.run(train_with_own_meshes, "ours", backend), expected, strict=True)):
+            assert g["meshes"] == e["meshes"], (g["meshes"], e["meshes"])
+            assert g["meshes"]["0.weight"] == ((2, 1), ("Replicate()", "Shard(dim=1)")), g["meshes"]
+            assert "same process group must use the same" in g["refused"] and "same process group" in e["refused"]
+            if backend is None:
+                assert torch.equal(g["losses"], e["losses"]), rank
+                _close(g["params"], e["params"], rtol=0, atol=0)
+            else:
+                assert g["graphs"] == 1, g["graphs"]
+                _close(g["params"], e["params"], rtol=1e-5, atol=1e-6)
