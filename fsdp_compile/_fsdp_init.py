@@ -122,16 +122,19 @@ class ParamPlacement(NamedTuple):
     dp_mesh: DataParallelMesh | None = None
 
 
-def _placement(param: nn.Parameter, fqn: str, shard_placement_fn, unit: FSDPUnit, unit_name: str) -> ParamPlacement:
+def _placement(
+    param: nn.Parameter, fqn: str, shard_placement_fn, unit: FSDPUnit, unit_name: str, own_meshes: dict
+) -> ParamPlacement:
     """The dimension and mesh ``shard_placement_fn`` (FSDP2's) gives ``param``: ``None`` is
     ``Shard(0)`` on the unit's mesh; ``Shard(d)``, dim ``d`` there; a ``ShardPlacementResult``
     (torch's, ``torch.distributed.fsdp._fully_shard._fsdp_common``) its placement (``None``:
     ``Shard(0)``) over its ``mesh_info``'s mesh (torchtitan's routed experts over ``efsdp``
-    in the block sharded over ``fsdp``), 1-D FSDP or 2-D (replicate, shard) HSDP."""
+    in the block sharded over ``fsdp``), 1-D FSDP or 2-D (replicate, shard) HSDP. ``own_meshes``:
+    the unit's meshes of that kind so far, by ``DeviceMesh`` (its parameters share one each)."""
     result = None if shard_placement_fn is None or param.ndim == 0 else shard_placement_fn(param)
     dp_mesh = None
     if type(result).__name__ == "ShardPlacementResult" and hasattr(result, "mesh_info"):
-        dp_mesh = _own_data_parallel_mesh(result.mesh_info, fqn, unit, unit_name)
+        dp_mesh = _own_data_parallel_mesh(result.mesh_info, fqn, unit, unit_name, own_meshes)
         result = result.placement
     if result is None:
         return ParamPlacement(0, dp_mesh)
@@ -168,7 +171,7 @@ def check_one_mesh_per_group(placements: list[ParamPlacement], unit: FSDPUnit, u
             )
 
 
-def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str) -> DataParallelMesh | None:
+def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str, own_meshes: dict) -> DataParallelMesh | None:
     """The mesh a ``ShardPlacementResult``'s ``mesh_info`` shards one parameter over (``None``
     where it is the unit's own), refused by name where this library cannot shard over it."""
     mesh = getattr(mesh_info, "mesh", None)
@@ -203,7 +206,9 @@ def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str)
             f"fully_shard({unit_name}): reshard_after_forward={unit.reshard_after_forward} with a shard mesh of its own "
             f"for parameter {fqn!r} (ShardPlacementResult) is not supported; pass True or False"
         )
-    return DataParallelMesh(mesh, shard=True)
+    if mesh not in own_meshes:
+        own_meshes[mesh] = DataParallelMesh(mesh, shard=True)
+    return own_meshes[mesh]
 
 
 def _default_mesh(modules: list[nn.Module]) -> DeviceMesh:
@@ -272,7 +277,7 @@ def _collect_owned_params(
     ``replicate()``; parameters owned by those units but also held here (tied
     weights) are included with their existing FSDPParam, which then serves both units.
     """
-    owned, placements = [], []
+    owned, placements, own_meshes = [], [], {}
     unit_name = _unit_name(modules)
     for module_index, root in enumerate(modules):
         stack = [("", root)]
@@ -294,7 +299,9 @@ def _collect_owned_params(
                 fqn = prefix + name
                 existing = _existing_fsdp_param(mod, name, param)
                 placement = (
-                    ParamPlacement(0) if existing is not None else _placement(param, fqn, shard_placement_fn, unit, unit_name)
+                    ParamPlacement(0)
+                    if existing is not None
+                    else _placement(param, fqn, shard_placement_fn, unit, unit_name, own_meshes)
                 )
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
