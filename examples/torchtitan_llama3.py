@@ -155,27 +155,37 @@ def main() -> None:
     )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    kinds = ("unsharded", "fsdp2", "ours") if args.with_unsharded else ("fsdp2", "ours")
+    r = run_each_kind(kinds, _rank_main, lambda kind: (kind, args.compile, args.steps, args.ac), 2, "torchtitan")
+    report(r, kinds, args.compile, f"torchtitan llama3 debugmodel, 2 gloo ranks, compile={args.compile}, ac={args.ac}")
+
+
+def run_each_kind(kinds, rank_main, rank_args, nprocs: int, prefix: str) -> dict:
+    """Rank 0's result of ``rank_main(rank, port, *rank_args(kind), queue)`` on ``nprocs`` spawned
+    gloo ranks, per kind, each in new processes with an empty Inductor cache (neither compiles
+    from the other's)."""
     ctx = mp.get_context("spawn")
     r = {}
-    kinds = ("unsharded", "fsdp2", "ours") if args.with_unsharded else ("fsdp2", "ours")
     for i, kind in enumerate(kinds):
-        # Each in new processes with an empty Inductor cache: neither compiles from the other's.
-        with tempfile.TemporaryDirectory(prefix=f"torchtitan_{kind}_") as cache:
+        with tempfile.TemporaryDirectory(prefix=f"{prefix}_{kind}_") as cache:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
             queue = ctx.SimpleQueue()
             port = 29000 + (os.getpid() + i) % 1000
-            mp.start_processes(
-                _rank_main, args=(port, kind, args.compile, args.steps, args.ac, queue), nprocs=2, start_method="spawn"
-            )
+            mp.start_processes(rank_main, args=(port, *rank_args(kind), queue), nprocs=nprocs, start_method="spawn")
             r[kind] = queue.get()
-    print(f"\ntorchtitan llama3 debugmodel, 2 gloo ranks, compile={args.compile}, ac={args.ac}\n")
+    return r
+
+
+def report(r: dict, kinds, compile_mode: str, title: str) -> None:
+    """Both losses per step, each kind's step times; eager losses must be bitwise equal."""
+    print(f"\n{title}\n")
     print("| step | FSDP2 loss | ours loss | difference |\n|---|---|---|---|")
     for step, (a, b) in enumerate(zip(r["fsdp2"]["losses"], r["ours"]["losses"], strict=True)):
         print(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
     for kind in kinds:
         steady = r[kind]["steady_s"]
         print(f"{kind}: first step {r[kind]['first_step_s']:.2f} s, steady step {steady:.3f} s" if steady else kind)
-    if args.compile == "none":
+    if compile_mode == "none":
         assert r["fsdp2"]["losses"] == r["ours"]["losses"], "eager losses differ from FSDP2's"
 
 

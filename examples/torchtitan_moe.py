@@ -57,7 +57,6 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 WORLD_SIZE, EP = 4, 2
 
@@ -143,34 +142,15 @@ def main() -> None:
     p.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    r = {}
+    from torchtitan_llama3 import report, run_each_kind  # (this folder: the same runner)
+
     kinds = ("fsdp2", "ours")
-    for i, kind in enumerate(kinds):
-        # Each in new processes with an empty Inductor cache: neither compiles from the other's.
-        with tempfile.TemporaryDirectory(prefix=f"torchtitan_moe_{kind}_") as cache:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-            queue = ctx.SimpleQueue()
-            port = 29000 + (os.getpid() + i) % 1000
-            mp.start_processes(
-                _rank_main,
-                args=(port, kind, args.compile, args.backend, args.steps, queue),
-                nprocs=WORLD_SIZE,
-                start_method="spawn",
-            )
-            r[kind] = queue.get()
-    backend = f", backend={args.backend}" if args.compile != "none" else ""
-    print(
-        f"\ntorchtitan deepseek_v3 debugmodel, {WORLD_SIZE} gloo ranks, dp_shard={WORLD_SIZE}, ep={EP}, compile={args.compile}{backend}\n"
+    r = run_each_kind(
+        kinds, _rank_main, lambda kind: (kind, args.compile, args.backend, args.steps), WORLD_SIZE, "torchtitan_moe"
     )
-    print("| step | FSDP2 loss | ours loss | difference |\n|---|---|---|---|")
-    for step, (a, b) in enumerate(zip(r["fsdp2"]["losses"], r["ours"]["losses"], strict=True)):
-        print(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
-    for kind in kinds:
-        steady = r[kind]["steady_s"]
-        print(f"{kind}: first step {r[kind]['first_step_s']:.2f} s, steady step {steady:.3f} s" if steady else kind)
-    if args.compile == "none":
-        assert r["fsdp2"]["losses"] == r["ours"]["losses"], "eager losses differ from FSDP2's"
+    backend = f", backend={args.backend}" if args.compile != "none" else ""
+    title = f"torchtitan deepseek_v3 debugmodel, {WORLD_SIZE} gloo ranks, dp_shard={WORLD_SIZE}, ep={EP}, compile={args.compile}{backend}"
+    report(r, kinds, args.compile, title)
 
 
 if __name__ == "__main__":
