@@ -191,10 +191,19 @@ def _warn_if_recompile(gm: fx.GraphModule) -> None:
 def _guard_on_sharding_state(guard: str) -> bool:
     """Whether a failed guard (Dynamo's line: the guard, then ``folder/file.py:line`` of the
     code that made it) is on our units' state: an attribute of ours, or made by a file of
-    this package; an unreadable reason counts as ours."""
+    this package; an unreadable reason counts as ours. A tensor check failing on a shard's
+    ``local_view`` (its ``requires_grad``, dtype, shape) is the parameter's own: the unsharded
+    model checks the parameter the same way (freezing a layer recompiles it too)."""
+    if _LOCAL_VIEW_TENSOR_CHECK.search(guard):
+        return False
     if "Unable to find recompilation reasons" in guard or "._fsdp_" in guard:
         return True
     return _library_files_pattern().search(guard) is not None
+
+
+#: Dynamo's line for a failed tensor check on a sharded parameter's local view, e.g.
+#: ``0/0: tensor 'self._modules['lin']._fsdp_params['weight'].local_view' requires_grad mismatch``.
+_LOCAL_VIEW_TENSOR_CHECK = re.compile(r"tensor '.*\._fsdp_params\['\w+'\]\.local_view' \w+ mismatch")
 
 
 @functools.cache

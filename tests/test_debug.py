@@ -299,7 +299,7 @@ def test_graph_break_and_recompile_warnings_name_the_unit(pool2):
 def recompile_warnings() -> dict[str, list[str]]:
     """Our recompile warnings, per cause, for a compiled sharded model (aot_eager): the
     model's own guards (eval and no_grad, a new batch size, a module attribute read in the
-    forward, as a transformers layer reads its ``layer_idx``), then sharding state (the
+    forward, as a transformers layer reads its ``layer_idx``; a frozen parameter), then sharding state (the
     first ``set_requires_gradient_sync(False)`` step)."""
     import warnings
 
@@ -331,6 +331,9 @@ def recompile_warnings() -> dict[str, list[str]]:
         out[name] = [str(w.message) for w in caught if "recompiling a graph" in str(w.message)]
 
     caught_by("first", lambda: step(torch.randn(2, 4)))
+    # Freezing a layer: the failed check is on the shard's local view, as on the parameter unsharded.
+    model[0].lin.weight.requires_grad_(False)
+    caught_by("frozen parameter", lambda: [step(torch.randn(2, 4)) for _ in range(2)])
     model.eval()
     with torch.no_grad():
         caught_by("eval", lambda: compiled(torch.randn(2, 4)))
@@ -348,7 +351,7 @@ def test_recompile_warning_only_for_a_guard_on_sharding_state(pool2):
     (accelerate's regional compile recompiles each transformers layer on its ``layer_idx``):
     no warning of ours; a guard on our units' state gets one that names the guard."""
     warned = pool2.run(recompile_warnings)[0]
-    for cause in ("first", "eval", "batch size", "module attribute"):
+    for cause in ("first", "eval", "batch size", "module attribute", "frozen parameter"):
         assert warned[cause] == [], (cause, warned[cause])
     assert len(warned["gradient sync off"]) == 1, warned
     message = warned["gradient sync off"][0]
