@@ -238,7 +238,11 @@ def _keep_for_backward(gathered: list[FSDPParam]) -> None:
     until the unit's backward (a reentrant checkpoint runs the forward without grad).
     Only trainable parameters read as gathered (a frozen one would outlive a backward
     that reduces nothing); dropped when the root's backward ends, or at the unit's next
-    forward."""
+    forward. Nothing under ``torch.inference_mode()``: no backward follows, and its
+    inference tensors cannot serve a later forward with autograd (an evaluation between
+    training steps)."""
+    if torch.is_inference_mode_enabled():
+        return
     state = gathered[0].unit.eager if gathered else None
     for fsdp_param in gathered:
         if (

@@ -686,11 +686,14 @@ class FSDPParam:
         self.drop_held_if_stale()
         if self.held is None:
             self._held_version = self._shard_version()
-            if self.extension:
-                self.held = self.gather_without_autograd()
-            else:
-                self.held_raw = self._gather_raw_without_autograd()
-                self.held = self._for_compute(self.held_raw)
+            # Plain tensors even under torch.inference_mode(): a later forward with autograd
+            # reads them (an inference tensor cannot be saved for its backward).
+            with torch.inference_mode(False):
+                if self.extension:
+                    self.held = self.gather_without_autograd()
+                else:
+                    self.held_raw = self._gather_raw_without_autograd()
+                    self.held = self._for_compute(self.held_raw)
             if self.state is ParamState.SHARDED:
                 self.state, self.gathered = ParamState.HELD, self.held
 

@@ -387,6 +387,39 @@ def forward_without_backward_then_train(backend: str | None, name: str = "mlp", 
     return out
 
 
+def evaluations_between_steps(backend: str | None, name: str = "llama", steps: int = 3) -> dict:
+    """Identical sharded models trained alike, with an evaluation forward before each step
+    under ``torch.no_grad()``, under ``torch.inference_mode()``, or under inference mode
+    after ``unshard()`` and without ``reshard()``: each one's evaluation outputs and its
+    parameters after each step."""
+    evaluations = {
+        "plain": None,
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+        "inference_mode_unshard": torch.inference_mode,
+    }
+    out = {}
+    for label, evaluation in evaluations.items():
+        model, units = build(name)
+        _shard(units)
+        run = torch.compile(model, backend=backend) if backend else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        out[label] = {"evals": [], "params": []}
+        for step in range(steps):
+            if evaluation is not None:
+                model.eval()
+                with evaluation():
+                    if label == "inference_mode_unshard":
+                        for unit in units:
+                            unit.unshard()
+                    evaluated = run(_local(batch(name, 50 + step)[0]))
+                out[label]["evals"].append(evaluated.clone())
+                model.train()
+            _step(model, run, opt, name, step)
+            out[label]["params"].append(_full_params(model))
+    return out
+
+
 def requires_grad_changes_follow_the_unsharded_model(kind: str, backend: str | None, steps: int = 6) -> dict:
     """Freezing and unfreezing parameters around compiled steps, as fine-tuning does: the
     first layer's attention and the embedding frozen after ``fully_shard`` and before
@@ -525,6 +558,21 @@ def test_a_forward_without_backward_does_not_change_later_training(pool2, backen
     result = pool2.run(forward_without_backward_then_train, backend)[0]
     for plain, after in zip(result["plain"], result["after_dropped_forward"], strict=True):
         _equal(after, plain)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_evaluations_between_steps_under_no_grad_or_inference_mode_change_no_training(pool2, backend):
+    """An evaluation before each step (``model.eval()``, then ``torch.no_grad()`` or
+    ``torch.inference_mode()``) changes nothing in the training, bitwise. Under inference
+    mode the root, which keeps what it gathered until its backward, kept inference tensors
+    that the next training forward then saved for backward: a RuntimeError in eager (FSDP2
+    fails there too, on 2.13 and 2.15); held by ``unshard()`` under inference mode likewise."""
+    result = pool2.run(evaluations_between_steps, backend)[0]
+    for label in ("no_grad", "inference_mode", "inference_mode_unshard"):
+        for plain, other in zip(result["plain"]["params"], result[label]["params"], strict=True):
+            _equal(other, plain)
+        for a, b in zip(result["no_grad"]["evals"], result[label]["evals"], strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 def test_freezing_and_unfreezing_parameters_follows_the_unsharded_model(pool2):
