@@ -434,6 +434,22 @@ class FSDPParam:
         forward_context.frames[-1].append(self)  # the innermost running forward drops it when it returns
         return self.gathered
 
+    def gather_replacement(self, replacement: DTensor) -> torch.Tensor:
+        """The full tensor of ``replacement``, a ``DTensor`` laid out as this parameter that
+        code put in the module's ``_parameters`` in its place (``torch.func.functional_call``,
+        ``torch.nn.utils.stateless``): the forward computes with it, as with FSDP2. Gathered
+        at each read with autograd, its gradient reduced into ``replacement`` (gradient sync
+        as configured, no accumulation); never cached, so no state of this parameter (and no
+        backward re-gather, which reads this parameter's shard) ever holds it."""
+        local = self.unit.devices.to_compute(alias_of_local_tensor(replacement))
+        if self.shard_dim and self.layout is not None:
+            local = local.movedim(self.shard_dim, 0)
+        if self.is_complex:
+            local = torch.view_as_real(local)
+        spec, key = self._traced_spec()
+        full = gather_with_grad_sync(local, spec, NO_ACCUMULATION, None, key=key, direct=functorch_transforms_active())
+        return self._for_compute(full)
+
     def _traced_spec(self) -> tuple[CollectiveSpec, str | None]:
         """The spec this parameter's collectives carry in the graph being traced, named as
         its unit is named there (``FSDPUnit.traced_naming``: from the root, relative to a

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -139,6 +140,8 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
         renamed = naming is not None
         if renamed:
             allow_side_effects(setattr, unit, "traced_naming", naming)
+        if mode is ExecutionMode.TRACED:
+            self.__dict__["_fsdp_refuse_stand_ins_when_traced"]()
         allow_side_effects(forward_context.enter, mode, naming)
         output = super().forward(*args, **kwargs)
         allow_side_effects(forward_context.exit)
@@ -595,6 +598,7 @@ def _make_unit(module: nn.Module, unit: FSDPUnit) -> None:
         module.__dict__["_fsdp_compiled_forward"] = module.__dict__.pop("forward")
     _swap_class(module, is_unit=True)
     module._fsdp_unit = unit
+    module.__dict__["_fsdp_refuse_stand_ins_when_traced"] = _stand_in_refusal(unit)
     register_fsdp2_state_view(module, unit)  # fully_shard.state(m) and m._get_fsdp_state(), for torch's code
     # load_state_dict swaps the parameters' contents too where torch.__future__'s
     # swap_module_params_on_conversion is on (as Module._apply always does for DTensors).
@@ -778,6 +782,10 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     entry nor the ``DTensor`` (see ``_fsdp_param``'s [Note: traced reads without the
     DTensor])."""
     fsdp_param = module._fsdp_params[name]
+    if mode is not ExecutionMode.TRACED and forward_context.frames:
+        registered = module._parameters[name]
+        if registered is not fsdp_param.sharded_param and _replaces_the_sharded_param(fsdp_param, registered):
+            return fsdp_param.gather_replacement(registered)
     state = fsdp_param.state
     if state is ParamState.HELD and mode is not ExecutionMode.TRACED:
         fsdp_param.drop_held_if_stale()
@@ -807,6 +815,63 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     # Caching the gathered tensor is a side effect, allowed inside an activation-
     # checkpointing region (e.g. checkpoint(layer) around a sharded layer).
     return allow_side_effects(fsdp_param.gather, param, mode)
+
+
+def _replaces_the_sharded_param(fsdp_param: FSDPParam, registered) -> bool:
+    """Whether ``registered``, found in the module's ``_parameters`` in place of the sharded
+    parameter during a sharded forward, is a stand-in the forward must compute with
+    (``torch.func.functional_call`` and ``torch.nn.utils.stateless`` put one there): a
+    ``DTensor`` laid out as the sharded parameter. ``False`` for a tensor-parallel
+    parameter's own local tensor (see :func:`_read_managed`); anything else raises,
+    naming the parameter, rather than computing with the sharded parameter instead."""
+    sharded = fsdp_param.sharded_param
+    if isinstance(registered, DTensor):
+        if (
+            registered.shape == sharded.shape
+            and registered.device_mesh == sharded.device_mesh
+            and registered.placements == sharded.placements
+        ):
+            return True
+        what = f"a DTensor of shape {tuple(registered.shape)} with placements {registered.placements} on {registered.device_mesh}"
+    elif fsdp_param.tensor_parallel is not None and isinstance(registered, torch.Tensor):
+        return False  # the tensor-parallel parameter's local tensor
+    else:
+        what = (
+            f"a {type(registered).__name__} of shape {tuple(registered.shape)}"
+            if isinstance(registered, torch.Tensor)
+            else repr(registered)
+        )
+    raise NotImplementedError(
+        f"fsdp_compile: parameter {fsdp_param.fqn!r} was replaced in its module's _parameters by {what} (e.g. by "
+        "torch.func.functional_call) and read in a sharded forward. A stand-in must be laid out as the sharded "
+        f"parameter: a DTensor of shape {tuple(sharded.shape)} with placements {sharded.placements} on its mesh (e.g. "
+        "derived from the model's own parameters, as `p.detach() * 2`)"
+    )
+
+
+def _stand_in_refusal(unit: FSDPUnit):
+    """A function, run by Dynamo once while it traces ``unit``'s forward (its result a
+    constant: no guard, nothing in the graph), that raises if a parameter of the unit has a
+    stand-in (:func:`_replaces_the_sharded_param`): a traced read gathers the sharded
+    parameter without looking (see ``_fsdp_param``'s [Note: traced reads without the
+    DTensor]). A stand-in put there after the graph was traced is not seen: eager code only."""
+    ref = weakref.ref(unit)
+
+    def refuse() -> bool:
+        unit = ref()
+        for fsdp_param in unit.params if unit is not None else ():
+            for owner, name in fsdp_param.registrations:
+                registered = owner._parameters.get(name)
+                if registered is not fsdp_param.sharded_param and _replaces_the_sharded_param(fsdp_param, registered):
+                    raise NotImplementedError(
+                        f"fsdp_compile: parameter {fsdp_param.fqn!r} has a stand-in in its module's _parameters (e.g. "
+                        "torch.func.functional_call) while torch.compile traces it; compiled sharded forwards read "
+                        "the sharded parameter. Call the model without torch.compile there (eager forwards compute "
+                        "with the stand-in)"
+                    )
+        return True
+
+    return torch.compiler.assume_constant_result(refuse)
 
 
 def _local_if_swapped(full: torch.Tensor, registered: torch.Tensor) -> torch.Tensor:

@@ -420,6 +420,40 @@ def evaluations_between_steps(backend: str | None, name: str = "llama", steps: i
     return out
 
 
+def functional_call_with_stand_ins(name: str = "llama") -> dict:
+    """``torch.func.functional_call`` on a sharded model (tied embeddings) with stand-ins
+    derived from its parameters (``DTensor``s laid out as they are), against the unsharded
+    model with the same stand-ins, one global batch on every rank: outputs, and gradients
+    of stand-ins that require them; the model's own parameters untouched; then a stand-in
+    of another layout in eager, and any stand-in while ``torch.compile`` traces."""
+    from torch.func import functional_call
+
+    model, units = build(name)
+    _shard(units)
+    ref, _ = build(name)
+    x, y = batch(name, 0)
+    before = model(x).detach()
+    out: dict = {}
+    stand_ins = {n: (p.detach() * 2).requires_grad_() for n, p in model.named_parameters()}
+    ref_stand_ins = {n: (p.detach() * 2).requires_grad_() for n, p in ref.named_parameters()}
+    got = functional_call(model, stand_ins, (x,))
+    expected = functional_call(ref, ref_stand_ins, (x,))
+    loss_fn(name, got, y).backward()
+    loss_fn(name, expected, y).backward()
+    out["output"] = (got.detach(), expected.detach())
+    out["grads"] = {n: (full_tensor(stand_ins[n].grad), ref_stand_ins[n].grad) for n in stand_ins}
+    out["own_grads_none"] = all(p.grad is None for p in model.parameters())
+    out["after_unchanged"] = torch.equal(model(x).detach(), before)
+    full = {n: full_tensor(p).detach() for n, p in model.named_parameters()}
+    for label, run, params in (("plain tensor", model, full), ("compiled", torch.compile(model, backend="aot_eager"), stand_ins)):
+        try:
+            functional_call(run, params, (x,))
+            out[label] = "no error"
+        except Exception as e:  # noqa: BLE001
+            out[label] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def requires_grad_changes_follow_the_unsharded_model(kind: str, backend: str | None, steps: int = 6) -> dict:
     """Freezing and unfreezing parameters around compiled steps, as fine-tuning does: the
     first layer's attention and the embedding frozen after ``fully_shard`` and before
@@ -573,6 +607,24 @@ def test_evaluations_between_steps_under_no_grad_or_inference_mode_change_no_tra
             _equal(other, plain)
         for a, b in zip(result["no_grad"]["evals"], result[label]["evals"], strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_functional_call_computes_with_the_stand_ins_as_unsharded(pool2):
+    """``torch.func.functional_call`` (and ``torch.nn.utils.stateless``) put stand-ins in
+    ``module._parameters``; the sharded forward gathered the sharded parameters instead, so
+    the output ignored them, silently (FSDP2 2.13 takes them only in part: its output is off
+    too). Eager forwards now gather each stand-in (laid out as the sharded parameter) and
+    reduce its gradient into it: the unsharded model's output and gradients; anything
+    else, and any stand-in while torch.compile traces, raises naming the parameter."""
+    result = pool2.run(functional_call_with_stand_ins)[0]
+    torch.testing.assert_close(*result["output"])
+    for name, (got, expected) in result["grads"].items():
+        torch.testing.assert_close(got, expected, msg=lambda m, n=name: f"{n}: {m}")
+    assert result["own_grads_none"] and result["after_unchanged"]
+    for label in ("plain tensor", "compiled"):
+        assert "NotImplementedError" in result[label] and "tok_embeddings.weight" in result[label], (label, result[label])
+    assert "laid out as the sharded parameter" in result["plain tensor"]
+    assert "while torch.compile traces" in result["compiled"]
 
 
 def test_freezing_and_unfreezing_parameters_follows_the_unsharded_model(pool2):
