@@ -43,6 +43,7 @@ def unavailable_reason() -> str | None:
         return f"{needs} `triton` importable (newest torch); torch {torch.__version__} here has no triton"
     try:
         import torch._inductor.config as inductor_config
+        from torch._inductor.fx_passes.bucketing import deduplicate_wait_tensors  # noqa: F401
         from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing  # noqa: F401
         from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing  # noqa: F401
 
