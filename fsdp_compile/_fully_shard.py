@@ -783,7 +783,7 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     DTensor])."""
     fsdp_param = module._fsdp_params[name]
     if mode is not ExecutionMode.TRACED and forward_context.frames:
-        registered = module._parameters[name]
+        registered = module._parameters.get(name)
         if registered is not fsdp_param.sharded_param and _replaces_the_sharded_param(fsdp_param, registered):
             return fsdp_param.gather_replacement(registered)
     state = fsdp_param.state
@@ -821,7 +821,7 @@ def _replaces_the_sharded_param(fsdp_param: FSDPParam, registered) -> bool:
     """Whether ``registered``, found in the module's ``_parameters`` in place of the sharded
     parameter during a sharded forward, is a stand-in the forward must compute with
     (``torch.func.functional_call`` and ``torch.nn.utils.stateless`` put one there): a
-    ``DTensor`` laid out as the sharded parameter. ``False`` for a tensor-parallel
+    ``DTensor`` laid out as the sharded parameter. ``False`` for no entry and for a tensor-parallel
     parameter's own local tensor (see :func:`_read_managed`); anything else raises,
     naming the parameter, rather than computing with the sharded parameter instead."""
     sharded = fsdp_param.sharded_param
@@ -833,8 +833,8 @@ def _replaces_the_sharded_param(fsdp_param: FSDPParam, registered) -> bool:
         ):
             return True
         what = f"a DTensor of shape {tuple(registered.shape)} with placements {registered.placements} on {registered.device_mesh}"
-    elif fsdp_param.tensor_parallel is not None and isinstance(registered, torch.Tensor):
-        return False  # the tensor-parallel parameter's local tensor
+    elif registered is None or (fsdp_param.tensor_parallel is not None and isinstance(registered, torch.Tensor)):
+        return False  # no entry (read as before), or the tensor-parallel parameter's local tensor
     else:
         what = (
             f"a {type(registered).__name__} of shape {tuple(registered.shape)}"
