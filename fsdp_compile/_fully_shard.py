@@ -784,7 +784,7 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
     fsdp_param = module._fsdp_params[name]
     if mode is not ExecutionMode.TRACED and forward_context.frames:
         registered = module._parameters.get(name)
-        if registered is not fsdp_param.sharded_param and _replaces_the_sharded_param(fsdp_param, registered):
+        if _replaces_the_sharded_param(fsdp_param, registered):
             return fsdp_param.gather_replacement(registered)
     state = fsdp_param.state
     if state is ParamState.HELD and mode is not ExecutionMode.TRACED:
@@ -818,13 +818,15 @@ def _read_managed(module: nn.Module, name: str, mode: ExecutionMode):
 
 
 def _replaces_the_sharded_param(fsdp_param: FSDPParam, registered) -> bool:
-    """Whether ``registered``, found in the module's ``_parameters`` in place of the sharded
-    parameter during a sharded forward, is a stand-in the forward must compute with
+    """Whether ``registered``, found in the module's ``_parameters`` where the sharded parameter
+    was registered, during a sharded forward, is a stand-in the forward must compute with
     (``torch.func.functional_call`` and ``torch.nn.utils.stateless`` put one there): a
     ``DTensor`` laid out as the sharded parameter. ``False`` for no entry and for a tensor-parallel
     parameter's own local tensor (see :func:`_read_managed`); anything else raises,
     naming the parameter, rather than computing with the sharded parameter instead."""
     sharded = fsdp_param.sharded_param
+    if registered is sharded:
+        return False
     if isinstance(registered, DTensor):
         if (
             registered.shape == sharded.shape
@@ -861,8 +863,7 @@ def _stand_in_refusal(unit: FSDPUnit):
         unit = ref()
         for fsdp_param in unit.params if unit is not None else ():
             for owner, name in fsdp_param.registrations:
-                registered = owner._parameters.get(name)
-                if registered is not fsdp_param.sharded_param and _replaces_the_sharded_param(fsdp_param, registered):
+                if _replaces_the_sharded_param(fsdp_param, owner._parameters.get(name)):
                     raise NotImplementedError(
                         f"fsdp_compile: parameter {fsdp_param.fqn!r} has a stand-in in its module's _parameters (e.g. "
                         "torch.func.functional_call) while torch.compile traces it; compiled sharded forwards read "
