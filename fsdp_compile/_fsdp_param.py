@@ -441,11 +441,7 @@ class FSDPParam:
         at each read with autograd, its gradient reduced into ``replacement`` (gradient sync
         as configured, no accumulation); never cached, so no state of this parameter (and no
         backward re-gather, which reads this parameter's shard) ever holds it."""
-        local = self.unit.devices.to_compute(alias_of_local_tensor(replacement))
-        if self.shard_dim and self.layout is not None:
-            local = local.movedim(self.shard_dim, 0)
-        if self.is_complex:
-            local = torch.view_as_real(local)
+        local = self._as_gather_input(alias_of_local_tensor(replacement))
         spec, key = self._traced_spec()
         full = gather_with_grad_sync(local, spec, NO_ACCUMULATION, None, key=key, direct=functorch_transforms_active())
         return self._for_compute(full)
@@ -675,7 +671,11 @@ class FSDPParam:
     def _gather_input(self, sharded_param: nn.Parameter) -> torch.Tensor:
         """The local shard on the compute device, its shard dim first (a complex one as its
         real view)."""
-        local = self.unit.devices.to_compute(self._local_shard(sharded_param))
+        return self._as_gather_input(self._local_shard(sharded_param))
+
+    def _as_gather_input(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (a local shard of this parameter's layout) as a gather reads it."""
+        local = self.unit.devices.to_compute(local)
         if self.shard_dim and self.layout is not None:
             local = local.movedim(self.shard_dim, 0)
         return torch.view_as_real(local) if self.is_complex else local
