@@ -60,6 +60,7 @@ from fsdp_compile._eager_reduce import (
 from fsdp_compile._fsdp_param import FSDPParam, ParamState
 from fsdp_compile._fsdp_state import forward_context
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
+from fsdp_compile._spmd_types import outside_type_checker
 from fsdp_compile.base import config
 from fsdp_compile.base.compat import (
     is_functorch_wrapper,
@@ -96,12 +97,13 @@ def pre_forward(unit: FSDPUnit, mode: ExecutionMode, args, kwargs):
     if state.forward_depth == 1 and running_backward_id() is None:
         state.drop_left_by_a_backward_that_raised()
     try:
-        gather_unit(unit)
-        if not inside_compiled_call and running_backward_id() is not None:  # a checkpointing re-run
-            with outside_recompute_modes():
-                prefetch_before_recompute(unit)
-        elif not inside_compiled_call:
-            state.forward_prefetch.gathered(unit, state.forward_depth)
+        with outside_type_checker():
+            gather_unit(unit)
+            if not inside_compiled_call and running_backward_id() is not None:  # a checkpointing re-run
+                with outside_recompute_modes():
+                    prefetch_before_recompute(unit)
+            elif not inside_compiled_call:
+                state.forward_prefetch.gathered(unit, state.forward_depth)
     except BaseException:
         post_forward(unit)
         raise

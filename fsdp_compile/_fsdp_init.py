@@ -6,7 +6,6 @@ error naming the module or parameter on every rank, never a hang."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import NamedTuple
 
@@ -21,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, compute_device
 from fsdp_compile._low_precision import check_param_type
+from fsdp_compile._spmd_types import spmd_typing_of
 from fsdp_compile._tensor_parallel import check_spmd_param, check_tensor_parallel_param
 from fsdp_compile.base.compat import composable_apis_applied, flat_group_of
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
@@ -305,14 +305,8 @@ def _collect_owned_params(
                 )
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
-                elif (local_type := _spmd_types_local_type(param)) is not None:
-                    raise NotImplementedError(
-                        f"fully_shard({_unit_name(modules)}): parameter {fqn!r} is a plain tensor typed by spmd_types "
-                        f"({local_type}): a local piece of a tensor laid out over those mesh axes (torchtitan's "
-                        'spmd_backend="spmd_types"), which fsdp_compile does not shard. Give the model DTensor '
-                        'parameters instead: torchtitan\'s spmd_backend="partial_dtensor", or distribute_tensor / '
-                        "parallelize_module for tensor parallelism"
-                    )
+                elif (typing := spmd_typing_of(param, fqn, unit.dp_mesh.spmd, unit_name)) is not None:
+                    check_spmd_param(typing.as_dtensor(param, unit.dp_mesh.spmd.mesh), fqn, unit.dp_mesh.spmd, unit_name)
                 elif unit.dp_mesh.spmd is not None:
                     check_spmd_param(param, fqn, unit.dp_mesh.spmd, unit_name)
                 elif isinstance(param, DTensor):
@@ -323,19 +317,6 @@ def _collect_owned_params(
                 if child is not None:
                     stack.append((f"{prefix}{child_name}.", child))
     return owned, placements
-
-
-def _spmd_types_local_type(param: torch.Tensor) -> str | None:
-    """The ``spmd_types`` annotation of a plain tensor, as text (``None`` for none, and for a
-    ``DTensor``, whose placements say what it is). spmd_types keeps it on the tensor and
-    reads it with its public ``get_local_type``; a tensor can only carry one where the
-    user's code imported spmd_types, so it is looked up only then (never imported here)."""
-    spmd_types = sys.modules.get("spmd_types")
-    get_local_type = getattr(spmd_types, "get_local_type", None)
-    if get_local_type is None or isinstance(param, DTensor):
-        return None
-    local_type = get_local_type(param)
-    return ", ".join(f"{axis}: {t!r}" for axis, t in dict(local_type).items()) if local_type else None
 
 
 def _existing_fsdp_param(mod: nn.Module, name: str, param: nn.Parameter) -> FSDPParam | None:

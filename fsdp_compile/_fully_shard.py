@@ -53,6 +53,7 @@ from fsdp_compile._fsdp_state import (
 )
 from fsdp_compile._local_shard_optimizer import install_default_local_step
 from fsdp_compile._mixed_precision import cast_inputs, cast_output
+from fsdp_compile._spmd_types import outside_type_checker, type_checker
 from fsdp_compile._tensor_parallel import data_parallel_sub_mesh
 from fsdp_compile.base.compat import (
     allow_side_effects,
@@ -160,8 +161,10 @@ class FSDPModule(FSDP2TuningMethods, TorchFSDPModule):
                 with reshard_hooks:
                     output = super().forward(*args, **kwargs)
         finally:
-            _eager.post_forward(self._fsdp_unit)
-        _eager.zero_unused_gradients_after_backward(self._fsdp_unit, output)
+            with outside_type_checker():
+                _eager.post_forward(self._fsdp_unit)
+        with outside_type_checker():
+            _eager.zero_unused_gradients_after_backward(self._fsdp_unit, output)
         return _eager.cast_output_outside_dynamo(self._fsdp_unit.mp_policy, output)
 
     def _get_fsdp_state(self):
@@ -749,7 +752,12 @@ def _managed_param_property(name: str) -> property:
         mode = execution_mode()
         if mode is ExecutionMode.BETWEEN_GRAPHS:
             return _read_managed_outside_dynamo(self, name, mode)
-        return _read_managed(self, name, mode)
+        if (spmd := type_checker()) is None:
+            return _read_managed(self, name, mode)
+        with spmd.no_typecheck():
+            value = _read_managed(self, name, mode)
+        typing = self._fsdp_params[name].spmd_typing
+        return value if typing is None or isinstance(value, DTensor) else typing.annotate(value)
 
     read.__name__ = name
     never_a_frame_of_its_own(read)
