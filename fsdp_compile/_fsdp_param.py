@@ -36,7 +36,7 @@ from fsdp_compile._low_precision import (
 )
 from fsdp_compile._mixed_precision import param_dtype_for
 from fsdp_compile._param_hooks import route_forward_hooks_to_local_shard
-from fsdp_compile._spmd_types import spmd_typing_of
+from fsdp_compile._spmd_types import typed_as_dtensor
 from fsdp_compile._tensor_parallel import TensorParallelSpec, spmd_mesh, spmd_param_layout
 from fsdp_compile.base.compat import (
     NO_ANNOTATION,
@@ -138,11 +138,7 @@ class FSDPParam:
         # ``ShardPlacementResult``: torchtitan's routed experts over ``efsdp``).
         dp = self.dp_mesh = dp_mesh if dp_mesh is not None else unit.dp_mesh
         data_parallel_dims = () if dp.spmd is None else dp.spmd.data_parallel_dims
-        # A plain tensor typed by spmd_types: sharded as the DTensor its annotation describes,
-        # read back as a plain tensor (``_spmd_types``; ``fully_shard`` checked it).
-        self.spmd_typing = spmd_typing_of(param, local_fqn, dp.spmd, "")
-        if self.spmd_typing is not None:
-            param = self.spmd_typing.as_dtensor(param, dp.spmd.mesh)
+        self.spmd_typing, param = typed_as_dtensor(param, local_fqn, dp.spmd)  # (spmd_types: see there)
         tp = self.tensor_parallel = TensorParallelSpec.of(param, data_parallel_dims) if isinstance(param, DTensor) else None
         data = (param if tp is None else param.to_local()).detach()
         self.shard_dim = shard_dim

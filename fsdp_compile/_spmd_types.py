@@ -140,6 +140,13 @@ def spmd_typing_of(param: torch.Tensor, fqn: str, spmd_mesh: SpmdMesh | None, un
     return SpmdTyping(tuple(placements), tuple(grad_placements), local_type, partition_spec)
 
 
+def typed_as_dtensor(param: nn.Parameter, fqn: str, spmd_mesh: SpmdMesh | None) -> tuple[SpmdTyping | None, nn.Parameter]:
+    """A parameter typed by spmd_types (``fully_shard`` checked it): its typing and the
+    ``DTensor`` parameter FSDP shards in its place; ``(None, param)`` for any other."""
+    typing = spmd_typing_of(param, fqn, spmd_mesh, "")
+    return (None, param) if typing is None else (typing, typing.as_dtensor(param, spmd_mesh.mesh))
+
+
 def _types_by_mesh_dim(types: dict, axes: list, data_parallel: list, prefix: str) -> dict:
     """The annotation's type per non-data-parallel mesh dim, after checking that every
     data-parallel axis it names (one of them or a part of their flattened group) is ``R``."""

@@ -239,59 +239,6 @@ def test_complex_tensor_parallel_parameter_is_refused_by_name(fake_pg):
     assert type(module) is nn.Linear  # untouched
 
 
-class _SpmdTypesStandIn:
-    """What fsdp_compile reads of ``spmd_types`` (its public ``get_local_type``: the type a
-    tensor carries, ``{}`` for none), for where the package is not installed (CI)."""
-
-    def __init__(self) -> None:
-        self.__name__ = "spmd_types"
-
-    @staticmethod
-    def get_local_type(tensor) -> dict:
-        return getattr(tensor, "_stand_in_spmd_type", {})
-
-    def type_as_tensor_parallel_shard(self, tensor, mesh) -> None:
-        tensor._stand_in_spmd_type = {"tp": "S(0)"}
-
-
-class _SpmdTypesReal:
-    def __init__(self, spmd) -> None:
-        self.spmd = spmd
-
-    def type_as_tensor_parallel_shard(self, tensor, mesh) -> None:
-        self.spmd.assert_type(tensor, {self.spmd.MeshAxis.of(mesh.get_group("tp")): self.spmd.S(0)})
-
-
-@pytest.mark.parametrize("package", ["spmd_types", "stand-in"])
-@pytest.mark.parametrize("dp_mesh_dims", [False, True], ids=["1d-mesh", "dp_mesh_dims"])
-def test_spmd_types_parameters_are_refused_by_name(fake_pg, monkeypatch, dp_mesh_dims, package):
-    """torchtitan's default ``spmd_backend="spmd_types"`` gives the model plain tensors typed
-    by ``spmd_types`` (a tensor-parallel shard is a plain local tensor typed ``S(0)`` on
-    ``tp``). Sharded as if each were the whole parameter, training would be silently wrong
-    (it was); it is refused by name, saying what to use instead, before any collective,
-    with or without ``dp_mesh_dims`` (torchtitan passes it). The package where installed
-    (torchtitan brings it), else a stand-in for the one function read."""
-    import sys
-
-    from torch.distributed.fsdp import DataParallelMeshDims
-
-    if package == "spmd_types":
-        typing = _SpmdTypesReal(pytest.importorskip("spmd_types"))
-    else:
-        typing = _SpmdTypesStandIn()
-        monkeypatch.setitem(sys.modules, "spmd_types", typing)
-    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-    module = nn.Sequential(nn.Linear(8, 8))
-    typing.type_as_tensor_parallel_shard(module[0].weight, mesh)
-    kwargs = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard="dp")} if dp_mesh_dims else {"mesh": mesh["dp"]}
-    with pytest.raises(
-        NotImplementedError,
-        match=r"parameter '0.weight' is a plain tensor typed by spmd_types .*spmd_backend=\"partial_dtensor\"",
-    ):
-        fully_shard(module, **kwargs)
-    assert type(module) is nn.Sequential and not isinstance(module[0].weight, torch.distributed.tensor.DTensor)
-
-
 def test_a_shard_mesh_of_its_own_from_shard_placement_fn_is_refused_where_unsupported(fake_pg):
     """``shard_placement_fn`` may return torch's ``ShardPlacementResult`` (a placement with a
     shard mesh of its own: torchtitan's routed experts; trained in ``test_moe_expert_parallel``).

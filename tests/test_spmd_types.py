@@ -1,0 +1,282 @@
+"""Parameters typed by ``spmd_types`` (torchtitan's default ``spmd_backend="spmd_types"``):
+plain local tensors annotated with their layout over the mesh axes, sharded with
+``dp_mesh_dims`` as FSDP2 (torch 2.15) shards them; 4 gloo ranks, a (dp=2, tp=2) mesh and a
+1-D one, against a single-process reference and, where torch's FSDP2 reads spmd_types,
+against it bitwise. The model computes on plain local tensors with its own collectives, as
+torchtitan's spmd_types models do: a column-parallel ``up`` (``S(0)`` on tp), a row-parallel
+``down`` (``S(1)``) followed by a sum over tp (Megatron's pair of operators), replicated norms (``I``), and a head on a
+sequence split over tp whose weights are ``R`` on tp: their gradients are partial over tp
+and must be all-reduced there (spmd_types' ``R`` -> ``P`` backward typing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.models import max_gap
+
+spmd = pytest.importorskip("spmd_types")
+
+STEPS = 3
+DIM, SEQ, BATCH = 16, 4, 8
+
+# (mesh shape, dim names) on 4 ranks; FSDP shards over "dp", "tp" is tensor parallel.
+LAYOUTS = {"dp+tp": ((2, 2), ("dp", "tp")), "dp": ((4,), ("dp",))}
+# Each parameter's type on tp (R on dp, where FSDP shards it).
+TP_TYPES = {"up.weight": "S0", "up.bias": "S0", "down.weight": "S1", "head.weight": "R", "head.bias": "R"}
+
+
+def _torch_fsdp2_reads_spmd_types() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return hasattr(_fsdp_param.FSDPParam, "_resolve_spmd_types_for_storage")
+
+
+class _SumOverTP(torch.autograd.Function):
+    """A row-parallel layer's partial sums added over tp; the gradient is each rank's (I)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _EnterTP(torch.autograd.Function):
+    """A column-parallel layer's input: the same on each tp rank; its gradient, partial
+    over tp (each rank's columns), summed there."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(grad, "sum", ctx.group), None
+
+
+class _SplitSequenceOverTP(torch.autograd.Function):
+    """This tp rank's part of the sequence; the gradient of the whole (I) is gathered back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.shape = group, x.shape
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim=1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed._functional_collectives as funcol
+
+        rank = dist.get_rank(ctx.group)
+        full = grad.new_zeros(ctx.shape)
+        full.narrow(1, rank * grad.shape[1], grad.shape[1]).copy_(grad)
+        return funcol.all_reduce(full, "sum", ctx.group), None
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+        self.tp_group = None
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.tp_group is not None:
+            h = _EnterTP.apply(h, self.tp_group)
+        h = torch.relu(self.up(h)) @ self.down.weight.t()
+        if self.tp_group is not None:
+            h = _SumOverTP.apply(h, self.tp_group)
+        return x + h + self.down.bias
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(DIM, 4)
+        self.tp_group = None
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        if self.tp_group is not None:
+            h = _SplitSequenceOverTP.apply(h, self.tp_group)
+        return self.head(h)
+
+
+def _mesh_of(layout: str):
+    """``test_spmd_mesh``'s mesh of the same layout, one per rank process (torch 2.13's FSDP2
+    refuses an equal mesh created after another in the same process)."""
+    from tests.test_spmd_mesh import LAYOUTS as SPMD_MESH_LAYOUTS
+    from tests.test_spmd_mesh import _mesh_of as spmd_mesh_of
+
+    assert SPMD_MESH_LAYOUTS[layout][:2] == LAYOUTS[layout]
+    return spmd_mesh_of(layout)
+
+
+def _type_of(fqn: str, mesh):
+    """The annotation torchtitan's spmd_types backend gives ``fqn``: R on dp, its tp type."""
+    types = {spmd.MeshAxis.of(mesh.get_group("dp")): spmd.R}
+    if "tp" in mesh.mesh_dim_names:
+        kind = next((t for suffix, t in TP_TYPES.items() if fqn.endswith(suffix)), "I")
+        tp_type = {"S0": spmd.S(0), "S1": spmd.S(1), "R": spmd.R, "I": spmd.I}[kind]
+        types[spmd.MeshAxis.of(mesh.get_group("tp"))] = tp_type
+    return types
+
+
+def _typed_local_model(layout: str) -> Model:
+    """The reference model's parameters as this rank's plain local pieces, typed."""
+    torch.manual_seed(0)
+    model = Model()
+    mesh = _mesh_of(layout)
+    tp = mesh["tp"] if "tp" in mesh.mesh_dim_names else None
+    for module_name, module in model.named_modules():
+        if tp is not None and hasattr(module, "tp_group"):
+            module.tp_group = tp.get_group()
+        for name, param in list(module.named_parameters(recurse=False)):
+            fqn = f"{module_name}.{name}"
+            types = _type_of(fqn, mesh)
+            local = param.detach()
+            for t in types.values():
+                if isinstance(t, spmd.S):
+                    local = local.chunk(tp.size(), dim=t.dim)[tp.get_local_rank()]
+            typed = nn.Parameter(local.clone())
+            spmd.assert_type(typed, types)
+            module.register_parameter(name, typed)
+    return model
+
+
+def _batch(step: int, layout: str | None):
+    """The global batch, or this rank's part of it (split over dp, whole over tp)."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, target = torch.randn(BATCH, SEQ, 8, generator=g), torch.randn(BATCH, SEQ, 4, generator=g)
+    if layout is None:
+        return x, target
+    mesh = _mesh_of(layout)
+    dp = mesh["dp"]
+    x, target = (t.chunk(dp.size())[dp.get_local_rank()] for t in (x, target))
+    if "tp" in mesh.mesh_dim_names:
+        target = target.chunk(mesh["tp"].size(), dim=1)[mesh["tp"].get_local_rank()]
+    return x, target
+
+
+def train(variant: str, layout: str) -> dict:
+    """Losses (the global mean) and full parameters after each AdamW step. ``variant``:
+    ``"reference"`` (one process, the global batch), ``"fsdp2"``, ``"ours"`` or
+    ``"ours:<backend>"`` (compiled, ``fullgraph=True``)."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+    from tests.models import compile_counting_graphs, fully_shard_of
+
+    reset_dynamo()
+    kind, _, backend = variant.partition(":")
+    mesh = _mesh_of(layout)
+    if kind == "reference":
+        torch.manual_seed(0)
+        model = Model()
+    else:
+        model = _typed_local_model(layout)
+        shard, dims = fully_shard_of(kind), DataParallelMeshDims(shard="dp")
+        for layer in model.layers:
+            shard(layer, mesh=mesh, dp_mesh_dims=dims)
+        shard(model, mesh=mesh, dp_mesh_dims=dims)
+    run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, params = [], []
+    for step in range(STEPS):
+        x, target = _batch(step, None if kind == "reference" else layout)
+        # Each rank's loss is its share of the global mean: summed over tp (gradients partial
+        # there), averaged over dp by FSDP's reduce-scatter.
+        share = target.numel() * (mesh.size() // mesh["dp"].size() if kind != "reference" else 1)
+        loss = ((run(x) - target) ** 2).sum() / share
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if kind != "reference":
+            dist.all_reduce(total)
+            total /= mesh["dp"].size()
+        losses.append(total.item())
+        params.append(full_parameters(model) if kind != "reference" else {n: p.detach().clone() for n, p in model.named_parameters()})
+    placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
+    return {"losses": losses, "params": params, "graphs": counter.frame_count if counter else None, "placements": placements}
+
+
+@pytest.fixture(scope="module")
+def pool4(rank_pools):
+    return rank_pools(4)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_spmd_typed_parameters_train_as_the_reference_and_fsdp2(pool4, layout):
+    """Ours, eager and ``aot_eager`` (one graph), trains the typed local model as the
+    single-process reference trains the whole one (to fp32 rounding: the sums over tp are
+    another order); its sharded parameters are the ``DTensor``s FSDP2 makes of them
+    (``Shard(0)`` on dp, the type's placement on tp), and where torch's FSDP2 reads
+    spmd_types (torch 2.15), ours eager is bitwise FSDP2's. Without the gradients' typing
+    (read as the local tensor's, or as ``Replicate()`` on tp), the head's weights would
+    miss the other tp rank's part of their gradient: a silent error of about half of it."""
+    reference = pool4.run(train, "reference", layout)[0]
+    ours = pool4.run(train, "ours", layout)[0]
+    ours_aot = pool4.run(train, "ours:aot_eager", layout)[0]
+    assert max_gap(ours, reference) < 1e-5
+    assert max_gap(ours_aot, ours) < 1e-6
+    assert ours_aot["graphs"] == 1
+    shard_dp = "Shard(dim=0)"
+    if layout == "dp+tp":
+        assert ours["placements"]["head.weight"] == (shard_dp, "Replicate()")
+        assert ours["placements"]["layers.0.down.weight"] == (shard_dp, "Shard(dim=1)")
+    else:
+        assert set(ours["placements"].values()) == {(shard_dp,)}
+    if _torch_fsdp2_reads_spmd_types():
+        fsdp2 = pool4.run(train, "fsdp2", layout)[0]
+        assert ours["placements"] == fsdp2["placements"]
+        assert max_gap(ours, fsdp2) == 0.0
+
+
+def _typed(param, types):
+    spmd.assert_type(param, types)
+    return param
+
+
+def test_spmd_typed_parameters_bad_layouts_are_named_before_any_collective(fake_pg):
+    """What FSDP cannot shard raises, naming the parameter, before any collective (the
+    module is left as it was): a typed parameter without ``dp_mesh_dims`` (torchtitan passes
+    it), a type other than R on the data-parallel axis (FSDP reduces that gradient), no type
+    on a dim that is not data-parallel, and a Partial parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from fsdp_compile import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    dp, tp = (spmd.MeshAxis.of(mesh.get_group(n)) for n in ("dp", "tp"))
+    dims = DataParallelMeshDims(shard="dp")
+    cases = [
+        ({tp: spmd.S(0)}, {"mesh": mesh["dp"]}, ValueError, r"parameter '0.weight', typed by spmd_types .*needs .*dp_mesh_dims"),
+        ({dp: spmd.S(0), tp: spmd.R}, {"mesh": mesh, "dp_mesh_dims": dims}, ValueError, r"'0.weight'.* must be R there"),
+        ({dp: spmd.R}, {"mesh": mesh, "dp_mesh_dims": dims}, ValueError, r"'0.weight'.* not annotated on mesh dim 'tp'"),
+        ({tp: spmd.P}, {"mesh": mesh, "dp_mesh_dims": dims}, NotImplementedError, r"'0.weight' has Partial\(.*\) on dim 'tp'"),
+    ]
+    for types, kwargs, error, match in cases:
+        module = nn.Sequential(nn.Linear(8, 8))
+        _typed(module[0].weight, types)
+        with pytest.raises(error, match=match):
+            fully_shard(module, **kwargs)
+        assert type(module) is nn.Sequential and not isinstance(module[0].weight, torch.distributed.tensor.DTensor)
