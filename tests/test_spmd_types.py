@@ -174,10 +174,26 @@ def _batch(step: int, layout: str | None):
     return x, target
 
 
-def train(variant: str, layout: str) -> dict:
+def _type_checked(mesh, type_checked: bool):
+    """spmd_types' type checker over ``mesh`` (strict, local types), or nothing."""
+    import contextlib
+
+    if not type_checked:
+        return contextlib.nullcontext()
+    from spmd_types.checker import typecheck
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(spmd.set_current_mesh(mesh))
+    stack.enter_context(typecheck())
+    return stack
+
+
+def train(variant: str, layout: str, type_checked: bool = False) -> dict:
     """Losses (the global mean) and full parameters after each AdamW step. ``variant``:
     ``"reference"`` (one process, the global batch), ``"fsdp2"``, ``"ours"`` or
-    ``"ours:<backend>"`` (compiled, ``fullgraph=True``)."""
+    ``"ours:<backend>"`` (compiled, ``fullgraph=True``). ``type_checked``: the forward under
+    spmd_types' type checker, the batch typed Varying on dp (what the first block's ``up``
+    reads of its weight is recorded: its type)."""
     from torch.distributed.fsdp import DataParallelMeshDims
 
     from fsdp_compile.testing import full_parameters
@@ -198,13 +214,19 @@ def train(variant: str, layout: str) -> dict:
         shard(model, mesh=mesh, dp_mesh_dims=dims)
     run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, params = [], []
+    losses, params, read_types = [], [], []
+    up = model.layers[0].up
+    up.register_forward_hook(lambda m, i, o: read_types.append(dict(spmd.get_local_type(m.weight))))
     for step in range(STEPS):
         x, target = _batch(step, None if kind == "reference" else layout)
         # Each rank's loss is its share of the global mean: summed over tp (gradients partial
         # there), averaged over dp by FSDP's reduce-scatter.
         share = target.numel() * (mesh.size() // mesh["dp"].size() if kind != "reference" else 1)
-        loss = ((run(x) - target) ** 2).sum() / share
+        if type_checked:
+            dp = {spmd.MeshAxis.of(mesh.get_group("dp")): spmd.V}
+            x, target = spmd.assert_type(x, dp), spmd.assert_type(target, dp)
+        with _type_checked(mesh, type_checked):
+            loss = ((run(x) - target) ** 2).sum() / share
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -215,7 +237,8 @@ def train(variant: str, layout: str) -> dict:
         losses.append(total.item())
         params.append(full_parameters(model) if kind != "reference" else {n: p.detach().clone() for n, p in model.named_parameters()})
     placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
-    return {"losses": losses, "params": params, "graphs": counter.frame_count if counter else None, "placements": placements}
+    graphs = counter.frame_count if counter else None
+    return {"losses": losses, "params": params, "graphs": graphs, "placements": placements, "read_types": read_types}
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +303,16 @@ def test_spmd_typed_parameters_bad_layouts_are_named_before_any_collective(fake_
         with pytest.raises(error, match=match):
             fully_shard(module, **kwargs)
         assert type(module) is nn.Sequential and not isinstance(module[0].weight, torch.distributed.tensor.DTensor)
+
+
+def test_spmd_typed_parameters_under_the_type_checker(pool4):
+    """With spmd_types' type checker on (torchtitan's ``spmd_typechecking``), an eager
+    forward reads each parameter as a plain tensor typed as it was before sharding (R on
+    dp), and trains bitwise as without the checker. Our gathers read untyped tensors: run
+    under the checker, the first one raised ``SpmdTypeError`` (they run outside it, as
+    FSDP2's do)."""
+    checked = pool4.run(train, "ours", "dp", True)[0]
+    plain = pool4.run(train, "ours", "dp")[0]
+    assert max_gap(checked, plain) == 0.0
+    dp_axis = spmd.MeshAxis.of(4, 1)  # all 4 ranks, stride 1: the 1-D mesh's dp axis
+    assert checked["read_types"] == [{dp_axis: spmd.R}] * STEPS
