@@ -305,7 +305,7 @@ def _collect_owned_params(
                 )
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
-                elif (typing := spmd_typing_of(param, fqn, unit.dp_mesh.spmd, unit_name)) is not None:
+                elif (typing := spmd_typing_of(param, name, fqn, unit.dp_mesh.spmd, unit_name)) is not None:
                     check_spmd_param(typing.as_dtensor(param, unit.dp_mesh.spmd.mesh), fqn, unit.dp_mesh.spmd, unit_name)
                 elif unit.dp_mesh.spmd is not None:
                     check_spmd_param(param, fqn, unit.dp_mesh.spmd, unit_name)

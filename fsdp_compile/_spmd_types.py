@@ -26,7 +26,7 @@ import sys
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 
 from fsdp_compile._tensor_parallel import SpmdMesh
 
@@ -56,8 +56,8 @@ class SpmdTyping:
     """How a typed parameter is laid out on the full mesh, and how it is read back."""
 
     placements: tuple  # on the full mesh: Replicate() on the data-parallel dims
-    grad_placements: tuple  # the annotation's backward types: Partial() on the data-parallel dims
-    local_type: dict  # the annotation, restored on what the module reads
+    grad_placements: tuple  # the types' backward: Partial() on the data-parallel dims
+    restore_type: dict  # what a read is typed as: the annotation, completed with R
     partition_spec: object
 
     def as_dtensor(self, param: nn.Parameter, mesh) -> nn.Parameter:
@@ -75,8 +75,8 @@ class SpmdTyping:
         return gathered.to_local(grad_placements=self.grad_placements)
 
     def annotate(self, local: torch.Tensor) -> torch.Tensor:
-        """``local`` typed as the parameter was before sharding (for the type checker)."""
-        _spmd_types().assert_type(local, self.local_type, partition_spec=self.partition_spec)
+        """``local`` typed for the type checker."""
+        _spmd_types().assert_type(local, self.restore_type, partition_spec=self.partition_spec)
         return local
 
 
@@ -96,18 +96,39 @@ def outside_type_checker():
     return contextlib.nullcontext() if spmd is None else spmd.no_typecheck()
 
 
-def spmd_typing_of(param: torch.Tensor, fqn: str, spmd_mesh: SpmdMesh | None, unit_name: str) -> SpmdTyping | None:
-    """The layout of a parameter typed by spmd_types (``None`` for an untyped one), or an
-    error naming it where FSDP cannot shard it (before any collective)."""
+def spmd_typing_of(param: torch.Tensor, name: str, fqn: str, spmd_mesh: SpmdMesh | None, unit_name: str) -> SpmdTyping | None:
+    """The layout of a parameter typed by spmd_types (``None`` for an untyped one), or
+    FSDP2's error where FSDP cannot shard it (before any collective), with a note naming
+    the unit and the parameter (``name``: its name in its module, as FSDP2 names it)."""
     local_type = local_type_of(param)
     if not local_type:
         return None
-    call, what = f"fully_shard({unit_name})", f"parameter {fqn!r}, typed by spmd_types ({describe(local_type)})"
+    try:
+        return _resolve(param, name, local_type, spmd_mesh)
+    except ValueError as e:
+        if hasattr(e, "add_note"):  # (Python 3.11)
+            e.add_note(
+                f"fully_shard({unit_name}): parameter {fqn!r}, typed by spmd_types ({describe(local_type)}). FSDP shards a "
+                "typed parameter as the DTensor its type describes on the full mesh passed with dp_mesh_dims: R (or no "
+                "type) on the data-parallel dims, a type on each other dim"
+            )
+        raise
+
+
+def typed_as_dtensor(param: nn.Parameter, fqn: str, spmd_mesh: SpmdMesh | None) -> tuple[SpmdTyping | None, nn.Parameter]:
+    """A parameter typed by spmd_types (``fully_shard`` checked it): its typing and the
+    ``DTensor`` parameter FSDP shards in its place; ``(None, param)`` for any other."""
+    typing = spmd_typing_of(param, fqn, fqn, spmd_mesh, "")
+    return (None, param) if typing is None else (typing, typing.as_dtensor(param, spmd_mesh.mesh))
+
+
+def _resolve(param: torch.Tensor, name: str, local_type: dict, spmd_mesh: SpmdMesh | None) -> SpmdTyping:
     if spmd_mesh is None or spmd_mesh.mesh.mesh_dim_names is None:
         raise ValueError(
-            f"{call}: {what}, needs fully_shard called with the named full mesh and dp_mesh_dims="
-            'DataParallelMeshDims(shard=..., replicate=...) naming its data-parallel dims (torchtitan\'s "spmd_types" '
-            "backend passes both), as FSDP2 requires"
+            "spmd_types parameters require fully_shard() to be called with both a named full DeviceMesh for FSDP "
+            "storage and dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...), where shard names the mesh axis "
+            "or axes FSDP shards parameters across and replicate names the HSDP/DDP mesh axis or axes FSDP replicates "
+            "across."
         )
     spmd = _spmd_types()
     from spmd_types.runtime import get_partition_spec  # (imported by the user's code already)
@@ -118,55 +139,84 @@ def spmd_typing_of(param: torch.Tensor, fqn: str, spmd_mesh: SpmdMesh | None, un
     if partition_spec is not None:
         types.update(partition_spec_to_shard_types(partition_spec))
     mesh = spmd_mesh.mesh
-    axes = [spmd.MeshAxis.of(mesh.get_group(name)) for name in mesh.mesh_dim_names]
-    data_parallel = [axes[i] for i in spmd_mesh.data_parallel_dims]
-    by_dim = _types_by_mesh_dim(types, axes, data_parallel, f"{call}: {what}")
-    placements, grad_placements = [], []
-    for dim, name in enumerate(mesh.mesh_dim_names):
-        if dim in spmd_mesh.data_parallel_dims:
-            placements.append(Replicate())
-            grad_placements.append(Partial())
-            continue
-        if dim not in by_dim:
-            raise ValueError(
-                f"{call}: {what}, is not annotated on mesh dim {name!r}, which is not data-parallel; annotate it "
-                "on every dim of the mesh outside dp_mesh_dims, as FSDP2 requires"
-            )
-        try:
-            placements.append(spmd.spmd_type_to_dtensor_placement(by_dim[dim]))
-            grad_placements.append(spmd.spmd_type_to_dtensor_placement(by_dim[dim].backward_type()))
-        except ValueError as e:
-            raise ValueError(f"{call}: {what}, has no DTensor layout on mesh dim {name!r}: {e}") from e
-    return SpmdTyping(tuple(placements), tuple(grad_placements), local_type, partition_spec)
+    storage = tuple(spmd.MeshAxis.of(mesh.get_group(dim_name)) for dim_name in mesh.mesh_dim_names)
+    restore_mesh = _restore_mesh(name, tuple(types), storage, local_type)
+    storage_types = _types_on_storage_dims(name, types, storage, spmd_mesh)
+    placements = tuple(spmd.spmd_type_to_dtensor_placement(t) for t in storage_types)
+    grad_placements = tuple(spmd.spmd_type_to_dtensor_placement(t.backward_type()) for t in storage_types)
+    restore_type = {axis: local_type.get(axis, spmd.R) for axis in restore_mesh}
+    return SpmdTyping(placements, grad_placements, restore_type, partition_spec)
 
 
-def typed_as_dtensor(param: nn.Parameter, fqn: str, spmd_mesh: SpmdMesh | None) -> tuple[SpmdTyping | None, nn.Parameter]:
-    """A parameter typed by spmd_types (``fully_shard`` checked it): its typing and the
-    ``DTensor`` parameter FSDP shards in its place; ``(None, param)`` for any other."""
-    typing = spmd_typing_of(param, fqn, spmd_mesh, "")
-    return (None, param) if typing is None else (typing, typing.as_dtensor(param, spmd_mesh.mesh))
-
-
-def _types_by_mesh_dim(types: dict, axes: list, data_parallel: list, prefix: str) -> dict:
-    """The annotation's type per non-data-parallel mesh dim, after checking that every
-    data-parallel axis it names (one of them or a part of their flattened group) is ``R``."""
+def _spans_same_ranks(lhs: tuple, rhs: tuple) -> bool:
+    """Whether two sets of mesh axes span the same ranks (spmd_types' normal form)."""
     from spmd_types._mesh_axis import flatten_axes
 
     spmd = _spmd_types()
-    data_parallel_group = flatten_axes(tuple(data_parallel))
-    by_dim = {}
+    lhs, rhs = spmd.normalize_mesh(frozenset(lhs)), spmd.normalize_mesh(frozenset(rhs))
+    if not lhs or not rhs:
+        return lhs == rhs
+    return flatten_axes(tuple(lhs)) == flatten_axes(tuple(rhs))
+
+
+def _restore_mesh(name: str, annotated: tuple, storage: tuple, local_type: dict) -> tuple:
+    """The axes a read is typed on: the annotation's where they span the storage mesh's
+    ranks, else spmd_types' current mesh (at ``fully_shard`` time)."""
+    if _spans_same_ranks(annotated, storage):
+        restore = annotated
+    elif (current := _spmd_types().current_mesh()) is not None:
+        restore = tuple(current)
+    else:
+        raise ValueError(
+            f"Parameter '{name}' has partial spmd_types annotations that cannot be restored from its FSDP storage mesh. "
+            "Fully annotate the parameter on its storage mesh, or wrap fully_shard() in spmd.set_current_mesh(...) when "
+            "all parameters in the FSDP unit share one typechecking mesh. Mixed per-parameter typechecking meshes with "
+            f"partial annotations are not supported. Annotated axes: {annotated}. Storage mesh axes: {storage}."
+        )
+    unknown = tuple(axis for axis in local_type if axis not in restore)
+    if unknown:
+        raise ValueError(
+            f"FSDP found spmd_types annotations on parameter '{name}' and will restore runtime annotations on compute "
+            f"mesh axes {restore}, but the parameter is annotated on axes {unknown} that are not in that mesh. Annotate "
+            "only axes in the compute mesh."
+        )
+    if not _spans_same_ranks(restore, storage):
+        raise ValueError(
+            f"Parameter '{name}' uses spmd_types annotations on a typechecking mesh that does not span the same ranks as "
+            "its FSDP storage mesh. FSDP can fill omitted FSDP-managed axes only when these meshes span the same rank set. "
+            f"Typechecking mesh axes: {restore}. Storage mesh axes: {storage}."
+        )
+    return restore
+
+
+def _types_on_storage_dims(name: str, types: dict, storage: tuple, spmd_mesh: SpmdMesh) -> list:
+    """The type on each dim of the full mesh: R on the data-parallel dims (an annotation on
+    one of them, or on a part of their flattened group, must be R), the annotation's on
+    each other dim (which must have one)."""
+    from spmd_types._mesh_axis import flatten_axes
+
+    spmd = _spmd_types()
+    dp_dims = spmd_mesh.data_parallel_dims
+    data_parallel = flatten_axes(tuple(storage[i] for i in dp_dims))
+    by_dim = dict.fromkeys(dp_dims, spmd.R)
     for axis, axis_type in types.items():
-        if axis <= data_parallel_group:
+        if axis <= data_parallel:
             if axis_type is not spmd.R:
                 raise ValueError(
-                    f"{prefix}, is {axis_type!r} on the data-parallel axis {axis}; it must be R there (FSDP shards it "
-                    "and reduces its gradient over that axis), as FSDP2 requires"
+                    f"Expected spmd.R on FSDP DP axis {axis} for parameter '{name}' but got {axis_type}. FSDP requires DP "
+                    "parameters to be R since it handles the DP gradient reduction."
                 )
-        elif axis in axes and axis not in data_parallel:
-            by_dim[axes.index(axis)] = axis_type
+        elif axis in storage and storage.index(axis) not in dp_dims:
+            by_dim[storage.index(axis)] = axis_type
         else:
             raise ValueError(
-                f"{prefix}, is annotated on axis {axis}, which is neither a dim of the mesh passed to fully_shard nor "
-                "inside its data-parallel dims; annotate it on that mesh's dims"
+                f"Parameter '{name}' has spmd_types annotation on axis {axis}, which is neither a non-FSDP storage-mesh "
+                "axis nor contained in the FSDP DP mesh."
             )
-    return by_dim
+    missing = tuple(axis for i, axis in enumerate(storage) if i not in by_dim)
+    if missing:
+        raise ValueError(
+            f"Parameter '{name}' has incomplete spmd_types annotations for FSDP storage. Annotated axes: {tuple(types)}. "
+            f"Storage mesh axes: {storage}. FSDP mesh dims: {spmd_mesh.dims}. Missing non-FSDP storage axes: {missing}."
+        )
+    return [by_dim[i] for i in range(len(storage))]

@@ -161,6 +161,7 @@ class SpmdMesh:
     mesh: DeviceMesh  # the full mesh the parameters and the modules' DTensors are on
     shard_dims: tuple[int, ...]
     replicate_dims: tuple[int, ...]
+    dims: object = field(default=None, compare=False)  # the DataParallelMeshDims passed (for messages)
 
     @property
     def data_parallel_dims(self) -> tuple[int, ...]:
@@ -221,7 +222,7 @@ def data_parallel_sub_mesh(mesh: DeviceMesh | None, dp_mesh_dims, unit_name: str
         dp_mesh = mesh[(replicate[0], shard[0])]
     else:
         dp_mesh = concatenate_meshes([_flattened(mesh, replicate), _flattened(mesh, shard)])
-    return dp_mesh, SpmdMesh(mesh, shard_dims, replicate_dims)
+    return dp_mesh, SpmdMesh(mesh, shard_dims, replicate_dims, dp_mesh_dims)
 
 
 def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:

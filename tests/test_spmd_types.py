@@ -215,8 +215,9 @@ def train(variant: str, layout: str, type_checked: bool = False) -> dict:
     run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, params, read_types = [], [], []
-    up = model.layers[0].up
-    up.register_forward_hook(lambda m, i, o: read_types.append(dict(spmd.get_local_type(m.weight))))
+    if type_checked:
+        up = model.layers[0].up
+        up.register_forward_hook(lambda m, i, o: read_types.append(dict(spmd.get_local_type(m.weight))))
     for step in range(STEPS):
         x, target = _batch(step, None if kind == "reference" else layout)
         # Each rank's loss is its share of the global mean: summed over tp (gradients partial
@@ -279,30 +280,52 @@ def _typed(param, types):
 
 
 def test_spmd_typed_parameters_bad_layouts_are_named_before_any_collective(fake_pg):
-    """What FSDP cannot shard raises, naming the parameter, before any collective (the
-    module is left as it was): a typed parameter without ``dp_mesh_dims`` (torchtitan passes
-    it), a type other than R on the data-parallel axis (FSDP reduces that gradient), no type
-    on a dim that is not data-parallel, and a Partial parameter."""
+    """What FSDP cannot shard raises before any collective (the module is left as it was),
+    FSDP2's ``ValueError`` in its words (torch's own tests compare them) with a note naming
+    the unit, the parameter and what FSDP needs: a typed parameter without ``dp_mesh_dims``
+    (torchtitan passes it), a type other than R on a data-parallel axis, no type on a dim
+    that is not data-parallel (and no current mesh to complete it from); and a Partial parameter (our ``NotImplementedError``, naming it)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
 
     from fsdp_compile import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-    dp, tp = (spmd.MeshAxis.of(mesh.get_group(n)) for n in ("dp", "tp"))
-    dims = DataParallelMeshDims(shard="dp")
+    dp, tp = spmd.MeshAxis.of(mesh.get_group("dp")), spmd.MeshAxis.of(mesh.get_group("tp"))
+    dims = {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard="dp")}
     cases = [
-        ({tp: spmd.S(0)}, {"mesh": mesh["dp"]}, ValueError, r"parameter '0.weight', typed by spmd_types .*needs .*dp_mesh_dims"),
-        ({dp: spmd.S(0), tp: spmd.R}, {"mesh": mesh, "dp_mesh_dims": dims}, ValueError, r"'0.weight'.* must be R there"),
-        ({dp: spmd.R}, {"mesh": mesh, "dp_mesh_dims": dims}, ValueError, r"'0.weight'.* not annotated on mesh dim 'tp'"),
-        ({tp: spmd.P}, {"mesh": mesh, "dp_mesh_dims": dims}, NotImplementedError, r"'0.weight' has Partial\(.*\) on dim 'tp'"),
+        ({tp: spmd.S(0)}, {"mesh": mesh["dp"]}, ValueError, r"^spmd_types parameters require fully_shard\(\) to be called with both"),
+        ({dp: spmd.S(0), tp: spmd.R}, dims, ValueError, r"^Expected spmd.R on FSDP DP axis .* for parameter 'weight' but got"),
+        ({dp: spmd.R}, dims, ValueError, r"^Parameter 'weight' has partial spmd_types annotations that cannot be restored"),
+        ({dp: spmd.R, tp: spmd.P}, dims, NotImplementedError, r"'0.weight' has Partial\(.*\) on dim 'tp'"),
     ]
     for types, kwargs, error, match in cases:
         module = nn.Sequential(nn.Linear(8, 8))
         _typed(module[0].weight, types)
-        with pytest.raises(error, match=match):
+        with pytest.raises(error, match=match) as raised:
             fully_shard(module, **kwargs)
+        if error is ValueError and hasattr(raised.value, "add_note"):
+            assert "fully_shard(Sequential): parameter '0.weight', typed by spmd_types" in raised.value.__notes__[0]
         assert type(module) is nn.Sequential and not isinstance(module[0].weight, torch.distributed.tensor.DTensor)
+
+
+def test_spmd_typed_parameters_completed_from_the_current_mesh(fake_pg):
+    """Typed on tp only, under spmd_types' current mesh at ``fully_shard``: the annotation
+    is completed with R on the data-parallel axis (FSDP2's rule), and a read is typed so."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from fsdp_compile import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    dp, tp = spmd.MeshAxis.of(mesh.get_group("dp")), spmd.MeshAxis.of(mesh.get_group("tp"))
+    module = nn.Sequential(nn.Linear(8, 8, bias=False))
+    _typed(module[0].weight, {tp: spmd.I})
+    with spmd.set_current_mesh(mesh):
+        fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    assert module[0].weight.placements == (torch.distributed.tensor.Shard(0), torch.distributed.tensor.Replicate())
+    typing = module[0]._fsdp_params["weight"].spmd_typing
+    assert typing.restore_type == {dp: spmd.R, tp: spmd.I}
 
 
 def test_spmd_typed_parameters_under_the_type_checker(pool4):
