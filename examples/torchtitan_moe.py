@@ -4,6 +4,7 @@ torch's FSDP2 in the same run.
 
     pip install torchtitan==0.3.0      # not a dependency of this project, not run by CI
     python examples/torchtitan_moe.py [--steps 4] [--compile none|model|blocks] [--backend inductor|aot_eager]
+                                      [--spmd-backend partial_dtensor|spmd_types]
 
 On 4 CPU ranks (gloo, started here), for each of FSDP2 and ours: torchtitan's deepseek_v3
 ``debugmodel`` (6 layers, the first dense, then 5 MoE layers of 8 routed experts, top-3,
@@ -24,7 +25,13 @@ model``: ``torch.compile`` of the whole model after sharding (``--backend``), wi
 ``capture_scalar_outputs`` on as torchtitan's ``apply_compile`` sets it for the
 data-dependent EP split sizes; ``blocks``: torchtitan's own ``apply_compile`` (through its
 ``CompileConfig``), each block compiled with ``fullgraph=True`` before sharding. Prints
-both losses per step and fails if eager losses are not bitwise equal.
+both losses per step and fails if eager losses are not bitwise equal. ``--spmd-backend
+spmd_types`` (torchtitan's default; torch 2.15's FSDP2 for the comparison): plain local
+parameters typed by ``spmd_types``, the experts' ``ShardPlacementResult`` carrying the
+expert mesh's ``dp_mesh_dims`` (torch's ``_get_mesh_info``), the forward in torchtitan's
+spmd context with typed inputs (``examples/torchtitan_llama3.py``'s loop); gloo takes only
+equal chunks in ``all_to_all``, so spmd_types' uneven token dispatch is shimmed onto
+``all_to_all_single`` (``_uneven_all_to_all_on_gloo``).
 
 The switch, for a user of torchtitan::
 
@@ -61,7 +68,24 @@ import torch.distributed as dist
 WORLD_SIZE, EP = 4, 2
 
 
-def _build(kind: str, compile_mode: str, backend: str):
+def _uneven_all_to_all_on_gloo() -> None:
+    """The CPU shim for the spmd_types dispatcher: gloo's ``all_to_all`` takes only equal
+    chunks, so spmd_types' uneven token dispatch goes through ``all_to_all_single`` (one
+    flat buffer, split sizes per rank) instead; the same exchange."""
+    import spmd_types._dist as spmd_dist
+
+    def all_to_all(output_chunks, input_chunks, group=None, async_op=False):
+        flat_in = torch.cat([t.reshape(-1) for t in input_chunks])
+        flat_out = flat_in.new_empty(sum(t.numel() for t in output_chunks))
+        out_sizes, in_sizes = [t.numel() for t in output_chunks], [t.numel() for t in input_chunks]
+        dist.all_to_all_single(flat_out, flat_in, out_sizes, in_sizes, group=group)
+        for chunk, piece in zip(output_chunks, flat_out.split(out_sizes), strict=True):
+            chunk.copy_(piece.view_as(chunk))
+
+    spmd_dist.dist = types.SimpleNamespace(**{**vars(dist), "all_to_all": all_to_all})
+
+
+def _build(kind: str, compile_mode: str, backend: str, spmd_backend: str = "partial_dtensor"):
     import torchtitan.distributed.fsdp as titan_fsdp
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
     import torchtitan.distributed.utils as titan_dist_utils
@@ -78,8 +102,10 @@ def _build(kind: str, compile_mode: str, backend: str):
     titan_parallel_dims.device_type = "cpu"  # the CPU shim (see the module docstring)
     # The one-line switch (and back, for the FSDP2 run in the same process).
     titan_fsdp.fully_shard = fsdp_compile.fully_shard if kind == "ours" else torch_fully_shard
+    if spmd_backend == "spmd_types":
+        _uneven_all_to_all_on_gloo()
     parallelism = ParallelismConfig(
-        data_parallel_shard_degree=WORLD_SIZE, expert_parallel_degree=EP, spmd_backend="partial_dtensor"
+        data_parallel_shard_degree=WORLD_SIZE, expert_parallel_degree=EP, spmd_backend=spmd_backend
     )
     titan_dist_utils.set_spmd_backend(parallelism.spmd_backend)  # as torchtitan's trainer does
     parallel_dims = ParallelDims.from_config(parallelism, WORLD_SIZE)
@@ -109,6 +135,8 @@ def _build(kind: str, compile_mode: str, backend: str):
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_states(buffer_device=torch.device("cpu"))
+    if spmd_backend == "spmd_types":
+        model.parallel_dims = parallel_dims  # (train_steps runs the forward in its spmd context)
     if compile_mode != "model":
         return model, model
     # As torchtitan's ``apply_compile`` sets it: the EP dispatch's split sizes (``tolist``) are
@@ -117,19 +145,19 @@ def _build(kind: str, compile_mode: str, backend: str):
     return torch.compile(model, backend=backend), model
 
 
-def _train(kind: str, compile_mode: str, backend: str, steps: int) -> dict:
+def _train(kind: str, compile_mode: str, backend: str, steps: int, spmd_backend: str = "partial_dtensor") -> dict:
     from torchtitan_llama3 import train_steps  # (this folder: the same training loop)
 
     torch._dynamo.reset()
-    run, model = _build(kind, compile_mode, backend)
+    run, model = _build(kind, compile_mode, backend, spmd_backend)
     return train_steps(run, model, steps)
 
 
-def _rank_main(rank: int, port: int, kind: str, compile_mode: str, backend: str, steps: int, queue) -> None:
+def _rank_main(rank: int, port: int, kind: str, compile_mode: str, backend: str, steps: int, spmd_backend: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    result = _train(kind, compile_mode, backend, steps)
+    result = _train(kind, compile_mode, backend, steps, spmd_backend)
     if rank == 0:
         queue.put(result)
     dist.destroy_process_group()
@@ -140,16 +168,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--compile", choices=("none", "model", "blocks"), default="none")
     p.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
+    p.add_argument("--spmd-backend", choices=("partial_dtensor", "spmd_types"), default="partial_dtensor")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torchtitan_llama3 import report, run_each_kind  # (this folder: the same runner)
 
     kinds = ("fsdp2", "ours")
     r = run_each_kind(
-        kinds, _rank_main, lambda kind: (kind, args.compile, args.backend, args.steps), WORLD_SIZE, "torchtitan_moe"
+        kinds,
+        _rank_main,
+        lambda kind: (kind, args.compile, args.backend, args.steps, args.spmd_backend),
+        WORLD_SIZE,
+        "torchtitan_moe",
     )
     backend = f", backend={args.backend}" if args.compile != "none" else ""
-    title = f"torchtitan deepseek_v3 debugmodel, {WORLD_SIZE} gloo ranks, dp_shard={WORLD_SIZE}, ep={EP}, compile={args.compile}{backend}"
+    title = (
+        f"torchtitan deepseek_v3 debugmodel, {WORLD_SIZE} gloo ranks, dp_shard={WORLD_SIZE}, ep={EP}, "
+        f"spmd_backend={args.spmd_backend}, compile={args.compile}{backend}"
+    )
     report(r, kinds, args.compile, title)
 
 

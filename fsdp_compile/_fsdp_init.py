@@ -21,7 +21,7 @@ from fsdp_compile._fsdp_param import FSDPParam
 from fsdp_compile._fsdp_state import FSDPUnit, compute_device
 from fsdp_compile._low_precision import check_param_type
 from fsdp_compile._spmd_types import spmd_typing_of
-from fsdp_compile._tensor_parallel import check_spmd_param, check_tensor_parallel_param
+from fsdp_compile._tensor_parallel import SpmdMesh, check_spmd_param, check_tensor_parallel_param, data_parallel_sub_mesh
 from fsdp_compile.base.compat import composable_apis_applied, flat_group_of
 from fsdp_compile.runtime.process_groups import DataParallelMesh, all_gather_json
 
@@ -181,12 +181,12 @@ def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str,
             f"fully_shard({unit_name}): shard_placement_fn gave parameter {fqn!r} a {type(mesh_info).__name__} without a "
             "shard dimension; give it an FSDPMeshInfo (FSDP) or HSDPMeshInfo over its own mesh"
         )
-    if getattr(mesh_info, "dp_mesh_dims", None) is not None or unit.dp_mesh.spmd is not None:
+    if (getattr(mesh_info, "dp_mesh_dims", None) is not None) != (unit.dp_mesh.spmd is not None):
         raise NotImplementedError(
-            f"fully_shard({unit_name}): parameter {fqn!r} has a shard mesh of its own (ShardPlacementResult) with "
-            "dp_mesh_dims (FSDP2's SPMD mesh), which is not supported; use torchtitan's "
-            'spmd_backend="partial_dtensor" layout (meshes without dp_mesh_dims), or shard those parameters in a '
-            "unit of their own"
+            f"fully_shard({unit_name}): parameter {fqn!r} has a shard mesh of its own (ShardPlacementResult) "
+            f"{'with' if unit.dp_mesh.spmd is None else 'without'} dp_mesh_dims (FSDP2's SPMD mesh), and the unit "
+            f"{'without' if unit.dp_mesh.spmd is None else 'with'}; give both or neither (with dp_mesh_dims: "
+            "torch's _get_mesh_info(full_mesh, dp_mesh_dims))"
         )
     if (mesh.ndim, shard_dim, replicate_dim) not in ((1, 0, None), (2, 1, 0)):
         raise NotImplementedError(
@@ -199,7 +199,8 @@ def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str,
             f"fully_shard({unit_name}): parameter {fqn!r}'s own mesh is on {mesh.device_type!r}, the unit's on "
             f"{unit.mesh.device_type!r}; build both on one device type"
         )
-    if mesh == unit.mesh:
+    spmd = _spmd_mesh_of(mesh_info, unit_name) if unit.dp_mesh.spmd is not None else None
+    if mesh == unit.mesh or (spmd is not None and spmd == unit.dp_mesh.spmd):
         return None
     if type(unit.reshard_after_forward) is int:
         raise NotImplementedError(
@@ -207,8 +208,15 @@ def _own_data_parallel_mesh(mesh_info, fqn: str, unit: FSDPUnit, unit_name: str,
             f"for parameter {fqn!r} (ShardPlacementResult) is not supported; pass True or False"
         )
     if mesh not in own_meshes:
-        own_meshes[mesh] = DataParallelMesh(mesh, shard=True)
+        own_meshes[mesh] = DataParallelMesh(mesh, shard=True, spmd=spmd)
     return own_meshes[mesh]
+
+
+def _spmd_mesh_of(mesh_info, unit_name: str) -> SpmdMesh:
+    """The SPMD layout of a ``mesh_info`` made by torch's ``_get_mesh_info(full_mesh,
+    dp_mesh_dims)`` (torchtitan's experts over ``(dp_replicate, efsdp, ep)``); its ``mesh`` is
+    the data-parallel mesh already flattened there."""
+    return data_parallel_sub_mesh(mesh_info.spmd_mesh, mesh_info.dp_mesh_dims, unit_name, flatten=False)[1]
 
 
 def _default_mesh(modules: list[nn.Module]) -> DeviceMesh:
@@ -305,10 +313,10 @@ def _collect_owned_params(
                 )
                 if existing is not None:
                     _check_shareable(existing, fqn, unit, modules)
-                elif (typing := spmd_typing_of(param, name, fqn, unit.dp_mesh.spmd, unit_name)) is not None:
-                    check_spmd_param(typing.as_dtensor(param, unit.dp_mesh.spmd.mesh), fqn, unit.dp_mesh.spmd, unit_name)
-                elif unit.dp_mesh.spmd is not None:
-                    check_spmd_param(param, fqn, unit.dp_mesh.spmd, unit_name)
+                elif (typing := spmd_typing_of(param, name, fqn, (spmd := _spmd_of(placement, unit)), unit_name)) is not None:
+                    check_spmd_param(typing.as_dtensor(param, spmd.mesh), fqn, spmd, unit_name)
+                elif spmd is not None:
+                    check_spmd_param(param, fqn, spmd, unit_name)
                 elif isinstance(param, DTensor):
                     check_tensor_parallel_param(param, fqn, (placement.dp_mesh or unit.dp_mesh).mesh, unit_name)
                 owned.append(OwnedParam(mod, name, param, fqn, module_index))
@@ -317,6 +325,11 @@ def _collect_owned_params(
                 if child is not None:
                     stack.append((f"{prefix}{child_name}.", child))
     return owned, placements
+
+
+def _spmd_of(placement: ParamPlacement, unit: FSDPUnit) -> SpmdMesh | None:
+    """The SPMD layout a parameter is sharded with: its own mesh's, or the unit's."""
+    return (placement.dp_mesh or unit.dp_mesh).spmd
 
 
 def _existing_fsdp_param(mod: nn.Module, name: str, param: nn.Parameter) -> FSDPParam | None:

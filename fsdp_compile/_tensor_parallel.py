@@ -192,11 +192,13 @@ def spmd_param_layout(spmd: SpmdMesh, dp_mesh: DeviceMesh, tp: TensorParallelSpe
     return concatenate_meshes(submeshes), tuple(out)
 
 
-def data_parallel_sub_mesh(mesh: DeviceMesh | None, dp_mesh_dims, unit_name: str) -> tuple[DeviceMesh, SpmdMesh]:
+def data_parallel_sub_mesh(
+    mesh: DeviceMesh | None, dp_mesh_dims, unit_name: str, flatten: bool = True
+) -> tuple[DeviceMesh | None, SpmdMesh]:
     """FSDP2's ``dp_mesh_dims`` resolved on the full SPMD ``mesh``: the mesh FSDP runs on,
     1-D (shard) or 2-D (replicate, shard) as for HSDP, several dims of either flattened
-    into one, and the :class:`SpmdMesh`. Raises, before any collective, for what FSDP2
-    rejects and for the layouts we do not take."""
+    into one (``None`` without ``flatten``), and the :class:`SpmdMesh`. Raises, before any
+    collective, for what FSDP2 rejects and for the layouts we do not take."""
     call = f"fully_shard({unit_name}, dp_mesh_dims={dp_mesh_dims})"
     if mesh is None or mesh.mesh_dim_names is None:
         raise ValueError(
@@ -216,7 +218,9 @@ def data_parallel_sub_mesh(mesh: DeviceMesh | None, dp_mesh_dims, unit_name: str
             raise NotImplementedError(f"{call}: the {what} dims must be neighbours in the mesh {names}, in its order")
     if replicate_dims and max(replicate_dims) > min(shard_dims):
         raise NotImplementedError(f"{call}: the replicate dims must come before the shard dims in the mesh {names}")
-    if not replicate:
+    if not flatten:
+        dp_mesh = None
+    elif not replicate:
         dp_mesh = _flattened(mesh, shard)
     elif len(shard) == len(replicate) == 1:
         dp_mesh = mesh[(replicate[0], shard[0])]
