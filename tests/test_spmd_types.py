@@ -339,3 +339,147 @@ def test_spmd_typed_parameters_under_the_type_checker(pool4):
     assert max_gap(checked, plain) == 0.0
     dp_axis = spmd.MeshAxis.of(4, 1)  # all 4 ranks, stride 1: the 1-D mesh's dp axis
     assert checked["read_types"] == [{dp_axis: spmd.R}] * STEPS
+
+
+# ---------------------------------------------------------------- experts on a mesh of their own
+
+EXPERTS = 2  # one per "ep" rank; each "efsdp" pair shards its expert with FSDP
+
+
+class ExpertModel(nn.Module):
+    """A dense layer and a stack of experts; a rank's tokens go through the expert it holds
+    (its "ep" coordinate): the expert-parallel layout without the token dispatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, DIM)
+        self.experts = nn.Parameter(0.1 * torch.randn(EXPERTS, DIM, DIM))
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x, expert: int = 0):
+        h = self.embed(x)
+        return self.head(h + torch.relu(h @ self.experts[expert]))
+
+
+_EXPERT_MESHES: dict = {}
+
+
+def _expert_meshes():
+    """The dense mesh (``test_spmd_mesh``'s 1-D "dp", 4 ranks) and the experts' (efsdp=2, ep=2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _EXPERT_MESHES:
+        _EXPERT_MESHES["sparse"] = init_device_mesh("cpu", (2, EXPERTS), mesh_dim_names=("efsdp", "ep"))
+    return _mesh_of("dp"), _EXPERT_MESHES["sparse"]
+
+
+def _sharded_experts(kind: str) -> ExpertModel:
+    """The model as torchtitan's spmd_types backend lays it out (plain local tensors typed:
+    R on dp; the experts R on efsdp, S(0) on ep), one unit whose ``shard_placement_fn`` puts
+    the experts on their mesh (torch's ``_get_mesh_info`` with its ``dp_mesh_dims``), every
+    gradient summed (divide factor 1.0: the loss is divided by the global token count)."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    from tests.models import fully_shard_of
+
+    dense, sparse = _expert_meshes()
+    torch.manual_seed(0)
+    model = ExpertModel()
+    ep = sparse["ep"]
+    local = model.experts.detach().chunk(EXPERTS)[ep.get_local_rank()].clone()
+    model.experts = nn.Parameter(local)
+    spmd.assert_type(model.experts, {spmd.MeshAxis.of(sparse.get_group("efsdp")): spmd.R, spmd.MeshAxis.of(ep.get_group()): spmd.S(0)})
+    for name, param in model.named_parameters():
+        if name != "experts":
+            spmd.assert_type(param, {spmd.MeshAxis.of(dense.get_group("dp")): spmd.R})
+    expert_mesh_info = _get_mesh_info(sparse, DataParallelMeshDims(shard="efsdp"))
+    experts = model.experts
+
+    def placement(param):
+        return ShardPlacementResult(placement=Shard(0), mesh_info=expert_mesh_info) if param is experts else None
+
+    fully_shard_of(kind)(model, mesh=dense, dp_mesh_dims=DataParallelMeshDims(shard="dp"), shard_placement_fn=placement)
+    model.set_gradient_divide_factor(1.0)
+    model.set_force_sum_reduction_for_comms(True)  # (FSDP2's factor-1.0 reduce-scatter is a PREMUL_SUM: not on gloo)
+    return model
+
+
+def train_experts(variant: str) -> dict:
+    """Losses (global) and full parameters after each AdamW step: ``"reference"`` (one
+    process; rank r's batch through expert r % 2), ``"fsdp2"``, ``"ours"``, ``"ours:<backend>"``."""
+    from fsdp_compile.testing import full_parameters
+    from fsdp_compile.testing._torch_internals import reset_dynamo
+    from tests.models import compile_counting_graphs
+
+    reset_dynamo()
+    kind, _, backend = variant.partition(":")
+    if kind == "reference":
+        torch.manual_seed(0)
+        model = ExpertModel()
+    else:
+        model = _sharded_experts(kind)
+    run, counter = compile_counting_graphs(model, backend or None, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, params, world = [], [], 4
+    for step in range(STEPS):
+        x, target = _batch(step, None)
+        chunks = list(zip(x.chunk(world), target.chunk(world), strict=True))
+        if kind == "reference":
+            loss = sum(((run(xr, r % EXPERTS) - tr) ** 2).sum() for r, (xr, tr) in enumerate(chunks)) / target.numel()
+        else:
+            xr, tr = chunks[dist.get_rank()]
+            loss = ((run(xr) - tr) ** 2).sum() / target.numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if kind != "reference":
+            dist.all_reduce(total)
+        losses.append(total.item())
+        params.append(full_parameters(model) if kind != "reference" else {n: p.detach().clone() for n, p in model.named_parameters()})
+    placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
+    graphs = counter.frame_count if counter else None
+    return {"losses": losses, "params": params, "graphs": graphs, "placements": placements}
+
+
+def test_spmd_typed_experts_on_their_own_mesh_train_as_the_reference(pool4):
+    """torchtitan's MoE layout under spmd_types: in one unit, dense parameters sharded over
+    "dp" (4 ranks) and the experts, typed on (efsdp, ep), over "efsdp" (2 ranks) by a
+    ``ShardPlacementResult`` whose mesh info carries the expert mesh's ``dp_mesh_dims``
+    (``fully_shard`` refused it before). Ours, eager and ``aot_eager`` (one graph), trains
+    as the single-process reference; bitwise FSDP2 eager where torch's FSDP2 reads
+    spmd_types; the experts' ``DTensor`` is on their mesh, FSDP's split of dim 0 strided
+    within ep's (``_StridedShard``, as FSDP2 lays it out)."""
+    reference = pool4.run(train_experts, "reference")[0]
+    ours = pool4.run(train_experts, "ours")[0]
+    ours_aot = pool4.run(train_experts, "ours:aot_eager")[0]
+    assert max_gap(ours, reference) < 1e-5
+    assert max_gap(ours_aot, ours) < 1e-6 and ours_aot["graphs"] == 1
+    assert ours["placements"]["experts"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
+    assert ours["placements"]["embed.weight"] == ("Shard(dim=0)",)
+    if _torch_fsdp2_reads_spmd_types():
+        fsdp2 = pool4.run(train_experts, "fsdp2")[0]
+        assert ours["placements"] == fsdp2["placements"]
+        assert max_gap(ours, fsdp2) == 0.0
+
+
+def test_a_parameter_mesh_with_dp_mesh_dims_needs_a_unit_with_them(fake_pg):
+    """A ``ShardPlacementResult`` whose mesh info carries ``dp_mesh_dims`` in a unit sharded
+    without them (or the reverse) is refused by name before any collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    from fsdp_compile import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("efsdp", "ep"))
+    info = _get_mesh_info(mesh, DataParallelMeshDims(shard="efsdp"))
+    module = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(NotImplementedError, match=r"parameter '0.weight' has a shard mesh of its own .*with dp_mesh_dims"):
+        fully_shard(module, mesh=mesh["efsdp"], shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), info))
+    assert type(module) is nn.Sequential
