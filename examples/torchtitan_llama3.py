@@ -29,7 +29,7 @@ sharded by ``apply_fsdp_to_decoder`` with the ``dp_mesh_dims`` of torchtitan's
 ``resolve_fsdp_mesh``, and the forward runs in torchtitan's spmd context with its inputs
 typed (``annotate_input_spmd_types``) and its loss (vocabulary-parallel with ``--tp``).
 ``--tp 2`` adds tensor parallelism (4 ranks), ``--sp`` sequence parallelism;
-``SPMD_TYPECHECK=1`` turns on spmd_types' type checker (eager only).
+``SPMD_TYPECHECK=1`` turns on spmd_types' type checker for the model's forward (eager only).
 
 The switch, for a user of torchtitan::
 
@@ -168,11 +168,13 @@ def train_steps(run, model, steps: int, vocab: int = 2048) -> dict:
             if parallel_dims is not None:
                 from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
-                inputs, labels, _ = annotate_input_spmd_types(parallel_dims, inputs, labels, {})
+                extra = {"positions": positions, "attention_masks": masks}
+                inputs, labels, extra = annotate_input_spmd_types(parallel_dims, inputs, labels, extra)
+                positions, masks = extra["positions"], extra["attention_masks"]
             logits = run(inputs, positions, masks)
             global_tokens = torch.tensor(labels.numel() * dist.get_world_size() // tp, dtype=torch.float32)
-            loss = _loss(logits, labels, vocab, parallel_dims) / global_tokens
-            with _outside_type_checker(parallel_dims):  # (torchtitan's trainer: backward unchecked)
+            with _outside_type_checker(parallel_dims):  # (the model's forward is what is checked)
+                loss = _loss(logits, labels, vocab, parallel_dims) / global_tokens
                 loss.backward()
         opt.step()
         opt.zero_grad()
