@@ -6,16 +6,20 @@ axes its annotation names: ``S(d)`` split on dim ``d``, ``R`` or ``I`` whole on 
 (torch 2.15) shards it, and so does this library, as the ``DTensor`` on the full mesh that
 annotation describes: ``Replicate()`` on the data-parallel dims (an annotation there must be
 ``R``: FSDP reduces that gradient), the annotation's placement on each other dim (which must
-be annotated). The module computes, as before sharding, on a plain tensor: the gathered
-``DTensor``'s local tensor, annotated again as the parameter was where spmd_types is type
-checking (eagerly). Its gradient is read as the annotation's backward type says
+be annotated; an annotation of some axes only is completed from spmd_types' current mesh at
+``fully_shard`` time, ``R`` on the axes it leaves out, as FSDP2 completes it). The module
+computes, as before sharding, on a plain tensor: the gathered ``DTensor``'s local tensor,
+typed again with the completed annotation where spmd_types is type checking (eagerly; the
+gathers run outside the checker). Its gradient is read as the annotation's backward type says
 (spmd_types' tied forward/backward typing: ``R`` -> ``P``, ``S(d)`` -> ``S(d)``, ``I`` ->
 ``I``): partial over the data-parallel dims, which FSDP reduce-scatters, and, on a
 tensor-parallel dim where the parameter is ``R``, partial too, so it is all-reduced over
 that dim (a sequence-parallel norm weight's gradient).
 
-spmd_types is never imported by this library: a tensor can only carry an annotation where
-the user's code imported it, so it is looked up in ``sys.modules``.
+What cannot be sharded raises FSDP2's ``ValueError``, in its words (torch's own tests compare
+them), with a note naming the unit and the parameter. spmd_types is never imported by this
+library: a tensor can only carry an annotation where the user's code imported it, so it is
+looked up in ``sys.modules``.
 """
 
 from __future__ import annotations
