@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.models import max_gap
+from tests.test_spmd_mesh import Block as SpmdMeshBlock
 
 spmd = pytest.importorskip("spmd_types")
 
@@ -83,12 +84,12 @@ class _SplitSequenceOverTP(torch.autograd.Function):
         return funcol.all_reduce(full, "sum", ctx.group), None
 
 
-class Block(nn.Module):
+class Block(SpmdMeshBlock):
+    """``test_spmd_mesh``'s block (norm, up, down), computing on local tensors with tp's
+    collectives where ``tp_group`` is set."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 2 * DIM)
-        self.down = nn.Linear(2 * DIM, DIM)
         self.tp_group = None
 
     def forward(self, x):
@@ -188,6 +189,22 @@ def _type_checked(mesh, type_checked: bool):
     return stack
 
 
+def _step(loss, opt, model, sharded: bool, loss_divisor: int, losses: list, params: list) -> None:
+    """Backward and an optimizer step; records the loss (summed over the ranks of a sharded
+    run, divided by ``loss_divisor``) and the whole parameters."""
+    from fsdp_compile.testing import full_parameters
+
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    if sharded:
+        dist.all_reduce(total)
+        total /= loss_divisor
+    losses.append(total.item())
+    params.append(full_parameters(model) if sharded else {n: p.detach().clone() for n, p in model.named_parameters()})
+
+
 def train(variant: str, layout: str, type_checked: bool = False) -> dict:
     """Losses (the global mean) and full parameters after each AdamW step. ``variant``:
     ``"reference"`` (one process, the global batch), ``"fsdp2"``, ``"ours"`` or
@@ -196,7 +213,6 @@ def train(variant: str, layout: str, type_checked: bool = False) -> dict:
     reads of its weight is recorded: its type)."""
     from torch.distributed.fsdp import DataParallelMeshDims
 
-    from fsdp_compile.testing import full_parameters
     from fsdp_compile.testing._torch_internals import reset_dynamo
     from tests.models import compile_counting_graphs, fully_shard_of
 
@@ -228,15 +244,7 @@ def train(variant: str, layout: str, type_checked: bool = False) -> dict:
             x, target = spmd.assert_type(x, dp), spmd.assert_type(target, dp)
         with _type_checked(mesh, type_checked):
             loss = ((run(x) - target) ** 2).sum() / share
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if kind != "reference":
-            dist.all_reduce(total)
-            total /= mesh["dp"].size()
-        losses.append(total.item())
-        params.append(full_parameters(model) if kind != "reference" else {n: p.detach().clone() for n, p in model.named_parameters()})
+        _step(loss, opt, model, kind != "reference", mesh["dp"].size(), losses, params)
     placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
     graphs = counter.frame_count if counter else None
     return {"losses": losses, "params": params, "graphs": graphs, "placements": placements, "read_types": read_types}
@@ -410,7 +418,6 @@ def _sharded_experts(kind: str) -> ExpertModel:
 def train_experts(variant: str) -> dict:
     """Losses (global) and full parameters after each AdamW step: ``"reference"`` (one
     process; rank r's batch through expert r % 2), ``"fsdp2"``, ``"ours"``, ``"ours:<backend>"``."""
-    from fsdp_compile.testing import full_parameters
     from fsdp_compile.testing._torch_internals import reset_dynamo
     from tests.models import compile_counting_graphs
 
@@ -432,14 +439,7 @@ def train_experts(variant: str) -> dict:
         else:
             xr, tr = chunks[dist.get_rank()]
             loss = ((run(xr) - tr) ** 2).sum() / target.numel()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if kind != "reference":
-            dist.all_reduce(total)
-        losses.append(total.item())
-        params.append(full_parameters(model) if kind != "reference" else {n: p.detach().clone() for n, p in model.named_parameters()})
+        _step(loss, opt, model, kind != "reference", 1, losses, params)
     placements = {n: tuple(map(repr, p.placements)) for n, p in model.named_parameters() if hasattr(p, "placements")}
     graphs = counter.frame_count if counter else None
     return {"losses": losses, "params": params, "graphs": graphs, "placements": placements}
