@@ -4,9 +4,10 @@ plain local tensors annotated with their layout over the mesh axes, sharded with
 1-D one, against a single-process reference and, where torch's FSDP2 reads spmd_types,
 against it bitwise. The model computes on plain local tensors with its own collectives, as
 torchtitan's spmd_types models do: a column-parallel ``up`` (``S(0)`` on tp), a row-parallel
-``down`` (``S(1)``) followed by a sum over tp (Megatron's pair of operators), replicated norms (``I``), and a head on a
-sequence split over tp whose weights are ``R`` on tp: their gradients are partial over tp
-and must be all-reduced there (spmd_types' ``R`` -> ``P`` backward typing)."""
+``down`` (``S(1)``) followed by a sum over tp (Megatron's pair of operators), replicated
+norms (``I``), and a head on a sequence split over tp whose weights are ``R`` on tp: their
+gradients are partial over tp and must be all-reduced there (spmd_types' ``R`` -> ``P``
+backward typing)."""
 
 from __future__ import annotations
 
@@ -262,8 +263,9 @@ def test_spmd_typed_parameters_train_as_the_reference_and_fsdp2(pool4, layout):
     another order); its sharded parameters are the ``DTensor``s FSDP2 makes of them
     (``Shard(0)`` on dp, the type's placement on tp), and where torch's FSDP2 reads
     spmd_types (torch 2.15), ours eager is bitwise FSDP2's. Without the gradients' typing
-    (read as the local tensor's, or as ``Replicate()`` on tp), the head's weights would
-    miss the other tp rank's part of their gradient: a silent error of about half of it."""
+    (``to_local()`` with the forward's placements, ``Replicate()`` on tp) the head's weights
+    miss the other tp rank's part of their gradient, silently: 4.9e-2 off the reference
+    after 3 steps, and this test fails."""
     reference = pool4.run(train, "reference", layout)[0]
     ours = pool4.run(train, "ours", layout)[0]
     ours_aot = pool4.run(train, "ours:aot_eager", layout)[0]
