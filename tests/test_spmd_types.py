@@ -18,6 +18,7 @@ from torch import nn
 
 from tests.models import max_gap
 from tests.test_spmd_mesh import Block as SpmdMeshBlock
+from tests.test_spmd_mesh import Model as SpmdMeshModel
 
 spmd = pytest.importorskip("spmd_types")
 
@@ -103,12 +104,12 @@ class Block(SpmdMeshBlock):
         return x + h + self.down.bias
 
 
-class Model(nn.Module):
+class Model(SpmdMeshModel):
+    """``test_spmd_mesh``'s model with this file's blocks, its head on a sequence split over tp."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Linear(8, DIM)
         self.layers = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(DIM, 4)
         self.tp_group = None
 
     def forward(self, x):
