@@ -15,7 +15,14 @@ starts of consecutive forwards, in three schedules:
   parameter that steps and zeroes it);
 * ``across steps``: as ``optimizer in backward``, and the next forward's first
   all-gathers (those issued before its first matmul) are issued right after the
-  optimizer step of the unit they gather, inside the previous backward's tail.
+  optimizer step of the unit they gather, inside the previous backward's tail;
+* ``deferred reduce-scatters`` (a what-if: the library does not do this): as
+  ``optimizer in backward``, but the reduce-scatters of the ``k`` units the next
+  forward gathers last (the deepest layers) wait for that forward, which sends them in
+  1 ms chunks wherever its link idles, and steps each such unit's optimizer right
+  before it gathers that unit (sending what is left first). The backward's link then
+  carries less; the cost is those units' unsharded gradients, held across the
+  boundary. The best ``k`` is reported.
 
 The optimizer is Adam on fp32 shards: 28 bytes of memory traffic per local
 element (reads parameter, gradient and two moments; writes parameter and
@@ -38,6 +45,7 @@ from dataclasses import dataclass
 #: Adam on fp32 shards: read parameter, gradient, exp_avg, exp_avg_sq; write the three states back.
 ADAM_BYTES_PER_ELEMENT = 28
 STEPS = 4  # simulated; the period is taken between the last two forwards
+FILL_CHUNK_S = 1e-3  # the deferred reduce-scatters' chunk (what-if schedule)
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,18 @@ def local_elements_by_unit(backward_graph) -> dict[str, int]:
     return out
 
 
+def reduced_bytes_by_unit(backward_graph) -> dict[str, int]:
+    """Each unit's unsharded gradient bytes: its reduce-scatters' inputs."""
+    from fsdp_compile.passes.cost_model import collective_owner, tensor_bytes
+    from fsdp_compile.runtime.vocabulary import collective_kind
+
+    out: dict[str, int] = {}
+    for node in backward_graph.nodes:
+        if collective_kind(node) == "reduce_scatter":
+            out[collective_owner(node)] = out.get(collective_owner(node), 0) + tensor_bytes(node.args[0], set())
+    return out
+
+
 def _with_optimizer_in_backward(backward: Program, optimizer_s: dict[str, float]) -> list:
     """``backward.ops`` with each unit's optimizer step right after the wait of its last
     reduce-scatter (where a post-accumulate-grad hook would run)."""
@@ -141,6 +161,9 @@ class AcrossSteps:
     held_bytes: int  # gathered bytes the early forward gathers hold across the boundary
     boundary_chain: float  # link time that must fall between the last backward and first forward matmul
     lower_bound: float  # no schedule's period is shorter (see simulate_across_steps)
+    deferred: float  # the what-if schedule with its best k (module docstring)
+    deferred_units: int  # that k
+    deferred_held_bytes: int  # the unsharded gradients it holds across the boundary
 
 
 def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = STEPS) -> AcrossSteps:
@@ -162,13 +185,18 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
 
     backward_with_optimizer = _with_optimizer_in_backward(backward, optimizer_s)
 
-    def period(schedule: str) -> float:
+    def period(schedule: str, deferred: frozenset = frozenset()) -> float:
         hoisted = set()
         if schedule == "across steps":  # the forward's gathers issued before its first matmul
             hoisted = {i for i, op in enumerate(forward.ops[: forward.first_matmul]) if op.what == "issue"}
         t_compute = t_link = 0.0
         starts = []
         ends: dict = {}
+        # The deferred units' reduce-scatters, in the order the next forward gathers them.
+        deferred_reductions = sorted(
+            (op for op in backward.ops if op.what == "issue" and op.unit in deferred and op.kind != "all_gather"),
+            key=lambda op: gather_order.get(op.unit, len(gather_order)),
+        )
 
         def issue(op: Op, tag) -> None:
             nonlocal t_link
@@ -176,7 +204,43 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
             t_link = start + op.seconds
             ends[tag] = t_link
 
+        def reduce_deferred(unit: str, step: int) -> None:
+            """Issue the previous backward's deferred reduce-scatters up to ``unit``'s last;
+            step ``unit``'s optimizer once they have landed."""
+            nonlocal t_compute
+            while any(op.unit == unit for op in pending):
+                op = pending.pop(0)
+                issue(
+                    Op("issue", remaining.pop(op.collective, op.seconds), op.collective, op.unit, op.kind),
+                    ("d", step, op.collective),
+                )
+            t_compute = max([t_compute] + [ends[("d", step, op.collective)] for op in deferred_reductions if op.unit == unit])
+            t_compute += optimizer_s.get(unit, 0.0)
+            stepped.add(unit)
+
+        def fill_idle_link(until: float, step: int) -> None:
+            """Deferred reduce-scatters, in chunks of ``FILL_CHUNK_S``, wherever the link
+            idles before ``until`` (a low-priority stream: a chunk starts only on an idle
+            link, and a gather issued meanwhile waits for it to end)."""
+            nonlocal t_link
+            while pending and max(t_link, t_compute) < until:
+                op = pending[0]
+                start = max(t_link, t_compute)
+                left = remaining.get(op.collective, op.seconds)
+                piece = min(left, FILL_CHUNK_S)
+                t_link = start + piece
+                if left - piece <= 1e-12:
+                    pending.pop(0)
+                    ends[("d", step, op.collective)] = t_link
+                    remaining.pop(op.collective, None)
+                else:
+                    remaining[op.collective] = left - piece
+
+        remaining: dict = {}
+        pending: list = []
         for step in range(steps):
+            stepped: set = set()
+            pending = list(deferred_reductions) if step > 0 else []
             # forward
             for i, op in enumerate(forward.ops):
                 if i == forward.first_matmul:
@@ -184,13 +248,18 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
                 if op.what == "issue":
                     if i in hoisted and step > 0:
                         continue  # issued in the previous backward's tail
+                    if step > 0 and op.unit in deferred and op.unit not in stepped:
+                        reduce_deferred(op.unit, step)
                     issue(op, ("f", step, op.collective))
                 elif op.what == "wait":
                     t_compute = max(t_compute, ends[("f", step, op.collective)])
                 else:
+                    fill_idle_link(t_compute + op.seconds, step)
                     t_compute += op.seconds
             # backward (+ optimizer)
             for op in backward.ops if schedule == "in step" else backward_with_optimizer:
+                if op.unit in deferred and (op.what == "optimizer" or op.kind in ("reduce_scatter", "all_reduce")):
+                    continue  # reduced and stepped in the next forward
                 if op.what == "issue":
                     issue(op, ("b", step, op.collective))
                 elif op.what == "wait":
@@ -208,6 +277,17 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
                 if ("f", step + 1, forward.ops[i].collective) not in ends:
                     issue(forward.ops[i], ("f", step + 1, forward.ops[i].collective))
         return starts[-1] - starts[-2]
+
+    gather_order: dict[str, int] = {}
+    for op in forward.ops:
+        if op.what == "issue" and op.kind == "all_gather":
+            gather_order.setdefault(op.unit, len(gather_order))
+    reduced = {op.unit for op in backward.ops if op.what == "issue" and op.kind == "reduce_scatter"}
+    # Candidates for deferral, the units the next forward gathers last first.
+    reduced_first = sorted(reduced, key=lambda u: -gather_order.get(u, len(gather_order)))
+    deferred_by_k = {k: period("optimizer in backward", frozenset(reduced_first[:k])) for k in range(len(reduced_first) + 1)}
+    best_k = min(deferred_by_k, key=lambda k: (deferred_by_k[k], k))
+    held = reduced_bytes_by_unit(backward_graph)
 
     # The chain: the units whose reduce-scatters are issued after the backward's last matmul
     # (their gradients come from it or from later work) and whose gathers the forward issues
@@ -233,4 +313,7 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
         forward.gathered_bytes_before_first_matmul,
         chain,
         max(compute + total_optimizer, span + chain, communication),
+        deferred_by_k[best_k],
+        best_k,
+        sum(held.get(u, 0) for u in reduced_first[:best_k]),
     )

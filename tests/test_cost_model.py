@@ -101,10 +101,10 @@ def test_steady_state_across_steps_respects_its_bounds():
     traced, _ = build_unit_graph(2, 0, "0", 4)
     free = replace(get_profile("cpu-gloo"), name="free-link", link_bytes_per_s=1e30, alpha_s=0.0)
     out = simulate_across_steps(traced.graph, traced.graph, free)
-    for period in (out.in_step, out.optimizer_in_backward, out.across_steps):
+    for period in (out.in_step, out.optimizer_in_backward, out.across_steps, out.deferred):
         assert period == pytest.approx(out.compute + out.optimizer)
     assert out.optimizer > 0 and out.held_bytes > 0
     slow = simulate_across_steps(traced.graph, traced.graph, "cpu-gloo")
     assert slow.boundary_chain > 0
-    for period in (slow.in_step, slow.optimizer_in_backward, slow.across_steps):
+    for period in (slow.in_step, slow.optimizer_in_backward, slow.across_steps, slow.deferred):
         assert period >= slow.lower_bound * (1 - 1e-9), (period, slow.lower_bound)
