@@ -283,9 +283,10 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
         if op.what == "issue" and op.kind == "all_gather":
             gather_order.setdefault(op.unit, len(gather_order))
     reduced = {op.unit for op in backward.ops if op.what == "issue" and op.kind == "reduce_scatter"}
-    # Candidates for deferral, the units the next forward gathers last first.
-    reduced_first = sorted(reduced, key=lambda u: -gather_order.get(u, len(gather_order)))
-    deferred_by_k = {k: period("optimizer in backward", frozenset(reduced_first[:k])) for k in range(len(reduced_first) + 1)}
+    gathered_last_first = sorted(reduced, key=lambda u: -gather_order.get(u, len(gather_order)))  # what is deferred
+    deferred_by_k = {
+        k: period("optimizer in backward", frozenset(gathered_last_first[:k])) for k in range(len(gathered_last_first) + 1)
+    }
     best_k = min(deferred_by_k, key=lambda k: (deferred_by_k[k], k))
     held = reduced_bytes_by_unit(backward_graph)
 
@@ -315,5 +316,5 @@ def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = S
         max(compute + total_optimizer, span + chain, communication),
         deferred_by_k[best_k],
         best_k,
-        sum(held.get(u, 0) for u in reduced_first[:best_k]),
+        sum(held.get(u, 0) for u in gathered_last_first[:best_k]),
     )
