@@ -5,7 +5,7 @@ start on an idle link with nothing to hide behind, a backward's last reduce-scat
 end with nothing after them. Training runs the graphs back to back with an optimizer
 step between them, so what the edges cost depends on what happens *across* the
 boundary. This module strings steps together and measures the period between the
-starts of consecutive forwards, in three schedules:
+starts of consecutive forwards, in four schedules (the last a what-if):
 
 * ``in step``: forward, backward, then the optimizer over every unit's shard (what
   ``opt.step()`` after ``loss.backward()`` does);
@@ -150,7 +150,7 @@ def _with_optimizer_in_backward(backward: Program, optimizer_s: dict[str, float]
 
 @dataclass
 class AcrossSteps:
-    """Steady-state periods (seconds) of the three schedules, and their shared figures."""
+    """Steady-state periods (seconds) of the four schedules, and their shared figures."""
 
     in_step: float
     optimizer_in_backward: float
@@ -167,7 +167,7 @@ class AcrossSteps:
 
 
 def simulate_across_steps(forward_graph, backward_graph, profile, steps: int = STEPS) -> AcrossSteps:
-    """The three schedules of the module docstring on ``forward_graph`` / ``backward_graph``
+    """The four schedules of the module docstring on ``forward_graph`` / ``backward_graph``
     (after our passes), ``steps`` steps each; the period between the last two forwards'
     first matmuls. And a lower bound on any schedule's period with these units and buckets:
     the larger of compute + optimizer, the communication, and the compute from the
